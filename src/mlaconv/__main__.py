@@ -1,0 +1,3 @@
+from mlaconv.cli import main
+
+main()

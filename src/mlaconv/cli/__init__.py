@@ -1,0 +1,41 @@
+"""The ``mlaconv`` command line: a thin Typer layer over the library."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import typer
+
+app = typer.Typer(
+    name="mlaconv",
+    help="Convert MHA/GQA checkpoints (Llama, Mistral, Qwen2) into native DeepSeek-V3 MLA checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+inspect_app = typer.Typer(help="Look at a model before converting it.", no_args_is_help=True)
+eval_app = typer.Typer(help="Measure a model, side by side with its source.", no_args_is_help=True)
+app.add_typer(inspect_app, name="inspect")
+app.add_typer(eval_app, name="eval")
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True)):
+    if version:
+        from mlaconv import __version__
+
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    app()
+
+
+# Sub-commands register themselves on the apps above.
+from mlaconv.cli import convert as _convert  # noqa: E402,F401

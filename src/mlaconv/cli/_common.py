@@ -1,0 +1,67 @@
+"""What every sub-command shares: consoles, the ``--json`` contract and error handling."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import typer
+from rich.console import Console
+
+from mlaconv.errors import MlaconvError
+
+# Progress bars and human-readable reports; stdout stays clean for ``--json``.
+stderr = Console(stderr=True)
+
+
+def report_console(json_out: bool) -> Console:
+    """Where the human-readable report goes: stdout normally, stderr when stdout carries JSON."""
+    return stderr if json_out else Console()
+
+
+def emit_json(obj: dict[str, Any]) -> None:
+    """Write exactly one JSON object (one line) to stdout."""
+    sys.stdout.write(json.dumps(obj, allow_nan=True, default=_json_default) + "\n")
+    sys.stdout.flush()
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "__fspath__"):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+@contextmanager
+def handle_errors(debug: bool) -> Iterator[None]:
+    """Turn failures into one line on stderr and a non-zero exit; ``--debug`` keeps the traceback."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except MlaconvError as exc:
+        if debug:
+            traceback.print_exc()
+        stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        stderr.print("[bold red]interrupted[/]: nothing was written to the output", highlight=False)
+        raise typer.Exit(130) from None
+    except Exception as exc:  # a bug, not bad input: still one line unless --debug
+        if debug:
+            traceback.print_exc()
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        stderr.print(
+            f"[bold red]error:[/] unexpected {type(exc).__name__}: {first_line} (rerun with --debug for the traceback)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(2) from None
+
+
+JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdout (the report goes to stderr).")
+DEBUG_OPTION = typer.Option(False, "--debug", help="Show the full traceback on errors.")

@@ -1,0 +1,328 @@
+"""``mlaconv convert``: stream a source checkpoint layer by layer into a DeepSeek-V3 MLA checkpoint.
+
+Memory: one source tensor group (a layer's attention or MLP) is in memory at a time, plus the
+writer's pending shard; the output folder appears only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, TypeVar
+
+import torch
+
+from mlaconv import __version__, deepseek
+from mlaconv.arch import SourceSpec
+from mlaconv.errors import MlaconvError
+from mlaconv.io import (CheckpointReader, ShardedWriter, atomic_output_dir, check_free_space, check_output_target,
+                        read_config, resolve_source)
+from mlaconv.io.writer import DEFAULT_SHARD_BYTES
+from mlaconv.mla import rope
+from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, LayerStats, SourceAttention,
+                                   convert_attention, full_rank, rope_stride_scores)
+from mlaconv.mla.latent_norm import DEFAULT_DELTA, LATENT_NORM_EPS
+
+T = TypeVar("T")
+Progress = Callable[[Iterable[T], str, int], Iterator[T]]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
+)
+DEFAULT_ROPE_DIM = 64
+
+
+def _no_progress(items: Iterable[T], description: str, total: int) -> Iterator[T]:  # noqa: ARG001
+    yield from items
+
+
+@dataclass
+class ConvertOptions:
+    rank: int | None = None
+    kv_keep: float | None = None
+    rope_dim: int | None = None
+    rope_stride: int | None = None
+    dtype: str | None = None
+    shard_size: int = DEFAULT_SHARD_BYTES
+    force: bool = False
+    verify: bool = True
+    verify_windows: int = 4
+    verify_window: int = 128
+    allow_sliding_window: bool = False
+    query_weighted_rope: bool = False
+    kv_balance: float = 1.0
+    delta: float = DEFAULT_DELTA
+    revision: str | None = None
+    extra_report: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The chosen MLA shapes and why."""
+
+    rank: int
+    rope_dim: int
+    reason: str
+
+
+def plan_shapes(spec: SourceSpec, rank: int | None, kv_keep: float | None, rope_dim: int | None) -> Shapes:
+    """Validate --rank / --kv-keep / --rope-dim against the source and pick (r, R)."""
+    d = spec.head_dim
+    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, d)
+    source_elements = spec.kv_elements_per_token_per_layer
+    if rope_dim is not None:
+        if rope_dim < 2 or rope_dim % 2:
+            raise MlaconvError(f"--rope-dim must be an even number ≥ 2, got {rope_dim}")
+        if rope_dim > d:
+            raise MlaconvError(f"--rope-dim {rope_dim} is larger than the source head_dim {d}")
+    if (rank is None) == (kv_keep is None):
+        raise MlaconvError("give exactly one of --rank and --kv-keep (or a --recipe that sets one)")
+    if kv_keep is not None:
+        if not 0 < kv_keep <= 1:
+            raise MlaconvError(f"--kv-keep must be in (0, 1], got {kv_keep}")
+        budget = int(math.floor(kv_keep * source_elements + 1e-9))
+        R = rope_dim if rope_dim is not None else min(DEFAULT_ROPE_DIM, d, 2 * (budget // 4))
+        if R < 2 or budget - R < 1:
+            raise MlaconvError(
+                f"--kv-keep {kv_keep} leaves {budget} cache elements per token and layer, too few for "
+                f"{'--rope-dim ' + str(R) + ' plus ' if rope_dim else ''}a latent (source: {source_elements})"
+            )
+        r = min(budget - R, full_rank(shape, R))
+        reason = (f"budget {budget} of {source_elements} elements: {R} rope dims "
+                  f"({'given' if rope_dim else 'default, at most half the budget'}), latent rank {r}")
+        if r < budget - R:
+            reason += f" (capped at the full rank {r}; the cache is smaller than the budget)"
+        return Shapes(rank=r, rope_dim=R, reason=reason)
+    R = rope_dim if rope_dim is not None else min(DEFAULT_ROPE_DIM, d)
+    assert rank is not None
+    if rank < 1:
+        raise MlaconvError(f"--rank must be ≥ 1, got {rank}")
+    if rank > full_rank(shape, R):
+        raise MlaconvError(
+            f"--rank {rank} is larger than the matrix allows: at most {full_rank(shape, R)} for this model "
+            f"(min of hidden {spec.hidden_size} and 2·{spec.num_kv_heads}·{d} − {R} rope dims)"
+        )
+    return Shapes(rank=rank, rope_dim=R, reason="rank given")
+
+
+def _out_dtype(spec: SourceSpec, requested: str | None) -> torch.dtype:
+    if requested is not None and requested not in DTYPES:
+        raise MlaconvError(f"--dtype must be one of {', '.join(DTYPES)}, got {requested!r}")
+    dtype = DTYPES[requested] if requested else spec.dtype
+    if dtype == torch.float16:
+        raise MlaconvError(
+            "float16 output is refused: DeepSeek's kv_a_layernorm is made linear by keeping the latent tiny "
+            "(mean square ≤ 1e-5·1e-6), which underflows in float16; use --dtype bfloat16 or float32"
+        )
+    if dtype not in (torch.float32, torch.bfloat16):
+        dtype = torch.float32
+    return dtype
+
+
+def load_source(source: str, revision: str | None = None,
+                allow_sliding_window: bool = False) -> tuple[Path, SourceSpec, CheckpointReader]:
+    """Resolve, validate and open a source checkpoint (headers only)."""
+    folder = resolve_source(source, revision)
+    spec = SourceSpec.from_config(read_config(folder), allow_sliding_window=allow_sliding_window)
+    reader = CheckpointReader(folder)
+    spec.check_tensors(reader)
+    return folder, spec, reader
+
+
+def read_attention(reader: CheckpointReader, spec: SourceSpec, i: int) -> SourceAttention:
+    n = spec.names
+
+    def get(name: str, optional: bool = False) -> torch.Tensor | None:
+        full = n.in_layer(i, name)
+        if optional and full not in reader:
+            return None
+        tensor = reader.get(full)
+        if not torch.isfinite(tensor).all():
+            raise MlaconvError(f"tensor {full} contains NaN or Inf")
+        return tensor
+
+    return SourceAttention(
+        q=get(n.q + ".weight"), k=get(n.k + ".weight"), v=get(n.v + ".weight"), o=get(n.o + ".weight"),
+        input_norm=get(n.input_norm),
+        q_bias=get(n.q + ".bias", optional=True) if spec.qkv_bias else None,
+        k_bias=get(n.k + ".bias", optional=True) if spec.qkv_bias else None,
+        v_bias=get(n.v + ".bias", optional=True) if spec.qkv_bias else None,
+        o_bias=get(n.o + ".bias", optional=True) if spec.o_bias else None,
+    )
+
+
+def layer_options(spec: SourceSpec, shapes: Shapes, options: ConvertOptions, residual_scale: float) -> LayerOptions:
+    return LayerOptions(
+        rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling,
+        rope_stride=options.rope_stride, context=min(spec.max_position_embeddings, 8192),
+        query_weighted_rope=options.query_weighted_rope, kv_balance=options.kv_balance,
+        residual_scale=residual_scale, delta=options.delta,
+    )
+
+
+def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = _no_progress,
+            stats_for_layer: Callable[[int, SourceAttention], LayerStats] | None = None) -> dict:
+    """Convert ``source`` into an MLA checkpoint at ``out``; return the report (a JSON-able dict)."""
+    started = time.perf_counter()
+    out = Path(out)
+    folder, spec, reader = load_source(source, options.revision, options.allow_sliding_window)
+    shapes = plan_shapes(spec, options.rank, options.kv_keep, options.rope_dim)
+    if options.rope_stride is not None and options.rope_stride not in rope.strides(spec.head_dim, shapes.rope_dim):
+        raise MlaconvError(f"--rope-stride {options.rope_stride} does not fit {shapes.rope_dim} rope dims in head_dim {spec.head_dim}")
+    dtype = _out_dtype(spec, options.dtype)
+    check_output_target(out, folder, options.force)
+    check_free_space(out.parent, _estimate_output_bytes(spec, shapes, dtype))
+
+    residual_scale = math.sqrt(LATENT_NORM_EPS / spec.rms_norm_eps)
+    lopts = layer_options(spec, shapes, options, residual_scale)
+    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    if lopts.rope_stride is None:
+        lopts = replace(lopts, rope_stride=global_rope_stride(reader, spec, shape, lopts, progress))
+    n = spec.names
+    reports: list[LayerReport] = []
+    attention_bias = spec.qkv_bias or spec.o_bias
+
+    with atomic_output_dir(out, force=options.force) as tmp:
+        writer = ShardedWriter(tmp, options.shard_size)
+        embed = reader.get(n.embed)
+        writer.add(deepseek.EMBED, (embed.to(torch.float64) * residual_scale).to(dtype))
+        lm_head = reader.get(n.lm_head) if n.lm_head in reader else embed
+        writer.add(deepseek.LM_HEAD, lm_head.to(dtype))
+        del embed, lm_head
+        writer.add(deepseek.FINAL_NORM, reader.get(n.final_norm).to(dtype))
+
+        for i in progress(range(spec.num_layers), "converting layers", spec.num_layers):
+            src = read_attention(reader, spec, i)
+            stats = stats_for_layer(i, src) if stats_for_layer else None
+            mla, report = convert_attention(src, shape, lopts, stats)
+            reports.append(report)
+            p = deepseek.layer_prefix(i)
+            writer.add(p + deepseek.Q_PROJ, mla.q_proj.to(dtype))
+            writer.add(p + deepseek.KV_A_PROJ, mla.kv_a_proj.to(dtype))
+            writer.add(p + deepseek.KV_A_NORM, mla.kv_a_norm.to(dtype))
+            writer.add(p + deepseek.KV_B_PROJ, mla.kv_b_proj.to(dtype))
+            writer.add(p + deepseek.O_PROJ, mla.o_proj.to(dtype))
+            if attention_bias:
+                kv_a_bias = mla.kv_a_bias if mla.kv_a_bias is not None else torch.zeros(shapes.rank + shapes.rope_dim)
+                o_bias = mla.o_bias if mla.o_bias is not None else torch.zeros(spec.hidden_size)
+                writer.add(p + deepseek.KV_A_BIAS, kv_a_bias.to(dtype))
+                writer.add(p + deepseek.O_BIAS, o_bias.to(dtype))
+            del src, mla
+            for name in (n.gate, n.up):
+                writer.add(p + name + ".weight", reader.get(n.in_layer(i, name + ".weight")).to(dtype))
+            down = reader.get(n.in_layer(i, n.down + ".weight")).to(torch.float64) * residual_scale
+            writer.add(p + n.down + ".weight", down.to(dtype))
+            for name in (n.input_norm, n.post_attention_norm):
+                writer.add(p + name, reader.get(n.in_layer(i, name)).to(dtype))
+        writer.finish()
+        reader.close()
+
+        config = deepseek.build_config(spec, rank=shapes.rank, rope_dim=shapes.rope_dim,
+                                       rope_theta=rope.target_rope_theta(spec.rope_theta, spec.head_dim,
+                                                                         shapes.rope_dim, reports[0].rope_stride),
+                                       attention_bias=attention_bias, dtype_name=str(dtype).replace("torch.", ""))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        copied = _copy_tokenizer(folder, tmp)
+
+        report = _report(spec, shapes, config, reports, out, folder, dtype, residual_scale, options, copied)
+        if options.verify:
+            from mlaconv.verify import verify
+
+            report["verify"] = verify(folder, tmp, spec, windows=options.verify_windows,
+                                      window=options.verify_window, check_bias_drop=attention_bias)
+        else:
+            report["verify"] = None
+        report["seconds"] = round(time.perf_counter() - started, 3)
+        report.update(options.extra_report)
+        (tmp / "mlaconv.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def global_rope_stride(reader: CheckpointReader, spec: SourceSpec, shape: AttentionShape, lopts: LayerOptions,
+                       progress: Progress = _no_progress) -> int:
+    """One frequency grid for the whole model (the config has one rope_theta), chosen from the weights.
+
+    Reads only each layer's q/k projections and input norm; the stride with the highest mean
+    rotation-weighted kept energy wins.
+    """
+    candidates = rope.strides(spec.head_dim, lopts.rope_dim)
+    if len(candidates) == 1:
+        return candidates[0]
+    scores = [rope_stride_scores(read_attention(reader, spec, i), shape, lopts)
+              for i in progress(range(spec.num_layers), "choosing rope frequencies", spec.num_layers)]
+    return rope.best_stride(scores)
+
+
+def _copy_tokenizer(source: Path, out: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+            copied.append(name)
+    return copied
+
+
+def _estimate_output_bytes(spec: SourceSpec, shapes: Shapes, dtype: torch.dtype) -> int:
+    H, N, d, R, r, L = (spec.hidden_size, spec.num_heads, spec.head_dim, shapes.rope_dim, shapes.rank,
+                        spec.num_layers)
+    attention = N * (d + R) * H + (r + R) * H + r + N * 2 * d * r + H * N * d
+    mlp = 3 * H * spec.intermediate_size + 2 * H
+    total = L * (attention + mlp) + 2 * spec.vocab_size * H + H
+    return total * torch.empty((), dtype=dtype).element_size()
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _report(spec: SourceSpec, shapes: Shapes, config: dict, reports: list[LayerReport], out: Path, source: Path,
+            dtype: torch.dtype, residual_scale: float, options: ConvertOptions, copied: list[str]) -> dict:
+    from mlaconv.serving import serving_notes
+
+    source_elements = spec.kv_elements_per_token_per_layer
+    converted_elements = shapes.rank + shapes.rope_dim
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    energy = [r.energy_retained for r in reports]
+    rope_kept = [r.rope_energy_kept for r in reports]
+    dropped = sorted({b for r in reports for b in r.dropped_bias})
+    return {
+        "mlaconv_version": __version__,
+        "output": str(out),
+        "source": str(source),
+        "architecture": spec.family.label,
+        "mode": "weights-only",
+        "dtype": str(dtype).replace("torch.", ""),
+        "kv_lora_rank": shapes.rank,
+        "qk_rope_head_dim": shapes.rope_dim,
+        "qk_nope_head_dim": spec.head_dim,
+        "v_head_dim": spec.head_dim,
+        "shape_choice": shapes.reason,
+        "rope_theta": config["rope_theta"],
+        "rope_stride": reports[0].rope_stride,
+        "kv_elements_per_token_per_layer": {"source": source_elements, "converted": converted_elements},
+        "kv_bytes_per_token": {
+            "source": source_elements * spec.num_layers * element_bytes,
+            "converted": converted_elements * spec.num_layers * element_bytes,
+        },
+        "kv_keep": converted_elements / source_elements,
+        "energy_retained": {"per_layer": energy, "mean": _mean(energy)},
+        "rope_energy_kept": rope_kept,
+        "rope_energy_kept_mean": _mean(rope_kept),
+        "rope_energy_kept_per_frequency": [r.rope_energy_kept_per_frequency for r in reports],
+        "rope_loss_weighted_kept": [r.rope_loss_weighted_kept for r in reports],
+        "key_error": [r.key_error for r in reports],
+        "value_error": [r.value_error for r in reports],
+        "latent_norm": {"eps": LATENT_NORM_EPS, "delta": options.delta,
+                        "max_bound": max(r.latent_bound for r in reports)},
+        "residual_scale": residual_scale,
+        "source_rms_norm_eps": spec.rms_norm_eps,
+        "dropped_bias": dropped,
+        "tokenizer_files": copied,
+        "serving": serving_notes(spec, config, dropped),
+    }

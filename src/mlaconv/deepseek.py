@@ -1,0 +1,79 @@
+"""The target format: a dense DeepSeek-V3 checkpoint that stock transformers, vLLM and SGLang load.
+
+Only names and the config live here; the numbers come from ``mlaconv.mla``. The config is written
+with the transformers 4.x rope keys (``rope_theta``/``rope_scaling``), which 5.x also reads, so one
+file loads in every version from 4.53 on.
+"""
+
+from __future__ import annotations
+
+from mlaconv.arch import SourceSpec
+from mlaconv.mla.latent_norm import LATENT_NORM_EPS
+
+ATTENTION = "self_attn."
+Q_PROJ = ATTENTION + "q_proj.weight"
+KV_A_PROJ = ATTENTION + "kv_a_proj_with_mqa.weight"
+KV_A_BIAS = ATTENTION + "kv_a_proj_with_mqa.bias"
+KV_A_NORM = ATTENTION + "kv_a_layernorm.weight"
+KV_B_PROJ = ATTENTION + "kv_b_proj.weight"
+O_PROJ = ATTENTION + "o_proj.weight"
+O_BIAS = ATTENTION + "o_proj.bias"
+
+# Layer-level and top-level names are Llama's.
+EMBED = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+N_ROUTED_EXPERTS = 8  # unused (every layer dense) but must be an int; 256 would trigger SGLang's MoE heuristics
+
+
+def layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def build_config(spec: SourceSpec, *, rank: int, rope_dim: int, rope_theta: float, attention_bias: bool,
+                 dtype_name: str) -> dict:
+    """config.json of the converted model (dense DeepSeek-V3, full-rank q, interleaved RoPE)."""
+    src = spec.config
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "moe_intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_heads,
+        "q_lora_rank": None,
+        "kv_lora_rank": rank,
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": spec.head_dim,
+        "v_head_dim": spec.head_dim,
+        "first_k_dense_replace": spec.num_layers,
+        "moe_layer_freq": 1,
+        "n_routed_experts": N_ROUTED_EXPERTS,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "num_nextn_predict_layers": 0,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": LATENT_NORM_EPS,
+        "rope_theta": rope_theta,
+        "rope_scaling": dict(spec.rope_scaling) if spec.rope_scaling else None,
+        "rope_interleave": True,
+        "attention_bias": attention_bias,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "initializer_range": src.get("initializer_range", 0.02),
+        "bos_token_id": src.get("bos_token_id"),
+        "eos_token_id": src.get("eos_token_id"),
+        "pad_token_id": src.get("pad_token_id"),
+        "torch_dtype": dtype_name,
+    }
+    return config
+

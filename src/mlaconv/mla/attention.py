@@ -1,0 +1,243 @@
+"""One attention layer, MHA/GQA → DeepSeek-V3 MLA: the whole conversion of a layer's weights.
+
+Source (Llama layout): N query heads and n_kv KV heads of size d, hidden H, rotate-half RoPE.
+Target (DeepSeek-V3, ``q_lora_rank = null``): P = V = d NoPE/value dims per head, R shared RoPE
+dims, latent rank r:
+
+    q_proj              [N·(d+R), H]   per head: d NoPE rows (the source query), R rope rows
+    kv_a_proj_with_mqa  [r+R, H]       β·A (latent), then the shared rope key κ (interleaved pairs)
+    kv_a_layernorm      [r]            constant ρ: with the tiny latent the norm is linear
+    kv_b_proj           [N·2d, r]      per head: d key rows, then d value rows (GQA groups expanded)
+    o_proj              [H, N·d]
+
+Steps: (1) mix KV heads per frequency into one rotated component (``rope.head_mix``) and choose
+the frequencies that fill the R/2 slots; (2) the rest of every key (its remainder) loses rotation
+and, stacked with V, is factored into one rank-r latent (``latent.factor``); (3) the query is
+re-expressed for that key layout, with the softmax-scale change (d+R)^-½ vs d^-½ folded in;
+(4) biases are folded where that is exact, and everything else is recorded.
+All math runs in float64; the caller casts the result.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from mlaconv.mla import latent as latent_math
+from mlaconv.mla import rope
+from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    hidden: int  # H
+    heads: int  # N
+    kv_heads: int  # n_kv
+    head_dim: int  # d
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+@dataclass
+class SourceAttention:
+    """One source layer's attention weights (and the input RMSNorm weight γ that precedes them)."""
+
+    q: torch.Tensor  # [N·d, H]
+    k: torch.Tensor  # [n_kv·d, H]
+    v: torch.Tensor  # [n_kv·d, H]
+    o: torch.Tensor  # [H, N·d]
+    input_norm: torch.Tensor  # γ [H]
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    rank: int  # r
+    rope_dim: int  # R
+    rope_theta: float
+    rope_scaling: dict | None = None
+    rope_stride: int | None = None  # None: chosen from the energies
+    context: int = 4096  # relative distances that rotation-loss weights assume
+    query_weighted_rope: bool = False  # weight each KV head's key energy by the query energy it serves
+    kv_balance: float = 1.0  # weight of the NoPE keys against the values in the joint latent
+    residual_scale: float = 1.0  # α: rescales what o_proj writes into the residual stream
+    delta: float = DEFAULT_DELTA  # tiny-latent bound on mean(c²)/ε
+
+
+@dataclass
+class MLAAttention:
+    q_proj: torch.Tensor
+    kv_a_proj: torch.Tensor
+    kv_a_norm: torch.Tensor
+    kv_b_proj: torch.Tensor
+    o_proj: torch.Tensor
+    kv_a_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+@dataclass
+class LayerReport:
+    energy_retained: float  # latent: fraction of (balanced) [K_nope; V] energy kept at rank r
+    rope_energy_kept: float  # fraction of key energy that stays rotated
+    rope_energy_kept_per_frequency: list[float]
+    rope_loss_weighted_kept: float
+    rope_stride: int
+    key_error: float  # measured relative error of the NoPE keys through the latent
+    value_error: float  # measured relative error of the values through the latent
+    latent_bound: float  # proven max over all tokens of mean(c'²)/ε
+    spectrum: list[float] = field(repr=False)  # eigenvalues of the matrix truncated, descending
+    dropped_bias: list[str] = field(default_factory=list)  # bias terms no stock DeepSeek tensor can hold
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Second moments of one layer's attention input x = γ ⊙ ĥ (weights-only: ĥ isotropic)."""
+
+    metric: torch.Tensor  # E[x xᵀ] [H, H], float64
+
+    @classmethod
+    def weights_only(cls, gamma: torch.Tensor) -> "LayerStats":
+        return cls(metric=torch.diag(gamma.to(torch.float64) ** 2))
+
+
+def full_rank(shape: AttentionShape, rope_dim: int) -> int:
+    """The largest useful latent rank: rows of [K_nope; V] or the hidden size, whichever is smaller."""
+    return min(shape.hidden, 2 * shape.kv_heads * shape.head_dim - rope_dim)
+
+
+def query_energy(q: torch.Tensor, shape: AttentionShape, metric: torch.Tensor) -> torch.Tensor:
+    """E|q_h^j|² summed over the query heads of each KV group → [F, n_kv]."""
+    zq = rope.complex_pairs(q, shape.heads)  # [F, N, H]
+    per_head = torch.einsum("fnh,hk,fnk->fn", zq, metric.to(zq.dtype), zq.conj()).real
+    return per_head.reshape(per_head.shape[0], shape.kv_heads, shape.group).sum(-1)
+
+
+def key_mix(k: torch.Tensor, q: torch.Tensor, shape: AttentionShape, stats: LayerStats,
+            options: LayerOptions) -> tuple[torch.Tensor, rope.HeadMix]:
+    """Per frequency, the best mix of the KV heads into one rotated component → (complex keys, mix)."""
+    zk = rope.complex_pairs(k, shape.kv_heads)  # [F, n_kv, H]
+    gram = rope.hermitian_gram(zk, stats.metric)
+    weights = query_energy(q, shape, stats.metric) if options.query_weighted_rope else None
+    return zk, rope.head_mix(gram, weights)
+
+
+def rope_stride_scores(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
+                       stats: LayerStats | None = None) -> dict[int, float]:
+    """How much rotation-weighted key energy each candidate stride keeps rotated in this layer."""
+    stats = stats if stats is not None else LayerStats.weights_only(src.input_norm.to(torch.float64))
+    _, mix = key_mix(src.k.to(torch.float64), src.q.to(torch.float64), shape, stats, options)
+    freqs = rope.scaled_frequencies(options.rope_theta, shape.head_dim, options.rope_scaling)
+    return rope.stride_scores(mix.energies, freqs, options.rope_dim, options.context)
+
+
+def decompose_keys(k: torch.Tensor, q: torch.Tensor, shape: AttentionShape, stats: LayerStats,
+                   options: LayerOptions):
+    """Split the keys into the shared rotated component and per-head remainders (step 1)."""
+    zk, mix = key_mix(k, q, shape, stats, options)
+    freqs = rope.scaled_frequencies(options.rope_theta, shape.head_dim, options.rope_scaling)
+    stride = options.rope_stride
+    if stride is None:
+        scores = rope.stride_scores(mix.energies, freqs, options.rope_dim, options.context)
+        stride = rope.best_stride([scores])
+    choice = rope.choose_frequencies(mix.energies, freqs, options.rope_dim, options.context, stride)
+    kept = choice.frequencies
+    shared = torch.einsum("sg,sgh->sh", mix.b[kept], zk[kept])  # κ per slot [R/2, H]
+    remainder = zk.clone()
+    remainder[kept] -= mix.a[kept][:, :, None] * shared[:, None, :]
+    return mix, choice, shared, rope.real_rows(remainder)
+
+
+def block_norm(w: torch.Tensor, metric: torch.Tensor) -> float:
+    return math.sqrt(max(torch.einsum("ij,jk,ik->", w, metric, w).item(), 0.0))
+
+
+def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, options: LayerOptions):
+    """The stacked target [K_nope; V] and its balancing row weights (step 2)."""
+    target = torch.cat([k_nope, v], dim=0)
+    nk, nv = block_norm(k_nope, stats.metric), block_norm(v, stats.metric)
+    wk = options.kv_balance / nk if nk > 0 else 1.0
+    wv = 1.0 / nv if nv > 0 else 1.0
+    row_weight = torch.cat([torch.full((k_nope.shape[0],), wk), torch.full((v.shape[0],), wv)]).to(target)
+    return target, row_weight
+
+
+def convert_attention(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
+                      stats: LayerStats | None = None) -> tuple[MLAAttention, LayerReport]:
+    """Convert one layer; all inputs are cast to float64 first."""
+    f64 = {name: (t.to(torch.float64) if t is not None else None) for name, t in vars(src).items()}
+    src = SourceAttention(**f64)
+    stats = stats if stats is not None else LayerStats.weights_only(src.input_norm)
+    N, G, d, R, r = shape.heads, shape.kv_heads, shape.head_dim, options.rope_dim, options.rank
+    group_of_head = torch.arange(N) // shape.group
+
+    mix, choice, shared, k_nope = decompose_keys(src.k, src.q, shape, stats, options)
+    kept = choice.frequencies
+
+    target, row_weight = latent_target(k_nope, src.v, stats, options)
+    spec = latent_math.spectrum(row_weight[:, None] * target, stats.metric)
+    lat = latent_math.factor(target, row_weight, stats.metric, r, spec)
+    up_k, up_v = lat.up[: G * d], lat.up[G * d :]
+    key_error = latent_math.relative_error(k_nope, up_k @ lat.down, stats.metric)
+    value_error = latent_math.relative_error(src.v, up_v @ lat.down, stats.metric)
+
+    typical_rms = math.sqrt(max(torch.einsum("ij,jk,ik->", lat.down, stats.metric, lat.down).item(), 0.0) / r)
+    tiny = tiny_latent(lat.down, src.input_norm, typical_rms, delta=options.delta)
+
+    # Query: NoPE rows are the source query; rope rows take each head's share conj(a) of the shared key.
+    q_scale = math.sqrt((d + R) / d)
+    zq = rope.complex_pairs(src.q, N)  # [F, N, H]
+    q_rope = mix.a[kept][:, group_of_head].conj()[:, :, None] * zq[kept]  # [R/2, N, H]
+    q_rope = rope.interleave(q_rope.transpose(0, 1))  # [N, R, H]
+    q_proj = torch.cat([src.q.reshape(N, d, -1), q_rope], dim=1).reshape(N * (d + R), -1) * q_scale
+
+    kv_a = torch.cat([tiny.beta * lat.down, rope.interleave(shared)], dim=0)
+    kv_b = torch.stack([up_k.reshape(G, d, r), up_v.reshape(G, d, r)], dim=1)  # [G, 2, d, r]
+    kv_b = kv_b[group_of_head].reshape(N * 2 * d, r) * tiny.up_scale
+
+    dropped: list[str] = []
+    kv_a_bias = None
+    if src.k_bias is not None:
+        zb = rope.complex_pairs(src.k_bias[:, None], G)[..., 0]  # [F, n_kv]
+        rope_bias = (mix.b[kept] * zb[kept]).sum(-1)  # κ's bias per slot
+        kv_a_bias = torch.cat([torch.zeros(r, dtype=torch.float64), rope.interleave(rope_bias[:, None])[:, 0]])
+        # The remainder of the key bias only adds q·b to every score of a query: softmax drops it exactly.
+    if src.q_bias is not None and src.q_bias.abs().max() > 0:
+        dropped.append("q_proj.bias")  # DeepSeek-V3's q_proj has no bias in any stack
+    o_bias = None
+    if src.v_bias is not None or src.o_bias is not None:
+        o_bias = torch.zeros(src.o.shape[0], dtype=torch.float64)
+        if src.v_bias is not None:  # Σ softmax = 1, so a value bias adds W_o·b_v to the output
+            o_bias += src.o @ src.v_bias.reshape(G, d)[group_of_head].reshape(N * d)
+        if src.o_bias is not None:
+            o_bias += src.o_bias
+        o_bias *= options.residual_scale
+
+    mla = MLAAttention(
+        q_proj=q_proj,
+        kv_a_proj=kv_a,
+        kv_a_norm=torch.full((r,), tiny.norm_weight, dtype=torch.float64),
+        kv_b_proj=kv_b,
+        o_proj=src.o * options.residual_scale,
+        kv_a_bias=kv_a_bias,
+        o_bias=o_bias,
+    )
+    report = LayerReport(
+        energy_retained=lat.energy,
+        rope_energy_kept=choice.energy_kept,
+        rope_energy_kept_per_frequency=choice.energy_kept_per_frequency,
+        rope_loss_weighted_kept=choice.loss_weighted_kept,
+        rope_stride=choice.stride,
+        key_error=key_error,
+        value_error=value_error,
+        latent_bound=tiny.bound,
+        spectrum=spec.values.tolist(),
+        dropped_bias=dropped,
+    )
+    return mla, report

@@ -1,0 +1,181 @@
+"""The shared RoPE key: which key components keep their rotation, and how heads are mixed for it.
+
+Notation: n_kv KV heads of size d, H hidden, F = d/2 RoPE frequencies. A source key in the
+Hugging Face rotate-half layout pairs dims (j, j + d/2) into frequency j; we view that pair as one
+complex number z = k[j] + i·k[j + d/2], which RoPE multiplies by e^{i·pos·ω_j}.
+
+Mixing the n_kv heads of one frequency with complex coefficients commutes with that rotation, so
+for each frequency we can pull out one shared component κ_j = Σ_g b_g·z_g that stays exactly
+rotated, and write every head's key as z_g = a_g·κ_j + r_g. The best (a, b) is the top eigenvector
+of the (query-weighted) Hermitian Gram of the heads at that frequency (TransMLA's RoRoPE is the
+real-valued special case). The DeepSeek-V3 layout has R/2 rotary slots at frequencies θ'^(-2i/R),
+a geometric grid, so the kept frequencies are j_i = s·i for a stride s, with θ' = θ^(s·R/d).
+The remainders r_g lose their rotation and join the joint latent with the values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def complex_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """[heads·d, H] rotate-half rows → [F, heads, H] complex rows (pair j = rows j and j + d/2)."""
+    d = w.shape[0] // heads
+    w = w.reshape(heads, d, -1)
+    return torch.complex(w[:, : d // 2], w[:, d // 2 :]).transpose(0, 1)
+
+
+def real_rows(z: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``complex_pairs`` for one set of heads: [F, heads, H] complex → [heads·d, H] real."""
+    F, heads, H = z.shape
+    out = torch.cat([z.real, z.imag], dim=0)  # [d, heads, H] with pair j at rows (j, j + F)
+    return out.transpose(0, 1).reshape(heads * 2 * F, H)
+
+
+def hermitian_gram(z: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
+    """E[z_g · conj(z_g')] for complex rows z [F, n, H] and a real input metric E[x xᵀ] [H, H] → [F, n, n]."""
+    zm = z @ metric.to(z.dtype)
+    return zm @ z.conj().transpose(-1, -2)
+
+
+@dataclass(frozen=True)
+class HeadMix:
+    """Per frequency, the shared component κ_j = Σ_g b[j,g]·z_g and the share a[j,g] each head takes back.
+
+    energies [F, n_kv]: eigenvalues (descending) of the weighted Gram; energies[:, 0] is what the
+    shared component can carry at each frequency.
+    """
+
+    a: torch.Tensor  # [F, n_kv] complex
+    b: torch.Tensor  # [F, n_kv] complex
+    energies: torch.Tensor  # [F, n_kv] real
+
+
+def head_mix(gram: torch.Tensor, head_weights: torch.Tensor | None = None) -> HeadMix:
+    """Best rank-one mix per frequency of a Hermitian Gram [F, n, n], optionally query-weighted.
+
+    With D = diag(head_weights[j]) (the query energy each KV head serves), the kept part a·(bᴴz)
+    minimises Σ_g D_g E|z_g − a_g κ|²: u = top eigenvector of D½ G D½, a = D^-½ u, b = conj(D½ u).
+    b is normalised to unit length so that κ has the magnitude of one head's key.
+    """
+    F, n, _ = gram.shape
+    if head_weights is None:
+        head_weights = torch.ones(F, n, dtype=gram.real.dtype)
+    root = head_weights.clamp_min(torch.finfo(head_weights.dtype).tiny).sqrt()
+    weighted = root[:, :, None] * gram * root[:, None, :]
+    energies, vectors = torch.linalg.eigh(weighted)  # ascending
+    energies, vectors = energies.flip(-1).clamp_min(0), vectors.flip(-1)
+    u = vectors[:, :, 0]
+    a = u / root
+    b = (u * root).conj()
+    norm = b.abs().pow(2).sum(-1, keepdim=True).sqrt().clamp_min(torch.finfo(root.dtype).tiny)
+    return HeadMix(a=a * norm, b=b / norm, energies=energies)
+
+
+def rotation_loss_weight(freqs: torch.Tensor, context: int) -> torch.Tensor:
+    """E|e^{iΔω} − 1|² for Δ uniform on [0, context): how much losing the rotation costs per frequency.
+
+    About 2 for fast frequencies, (context·ω)²/3 for frequencies that barely turn within the context.
+    """
+    x = freqs.to(torch.float64) * context
+    sinc = torch.where(x.abs() < 1e-8, torch.ones_like(x), torch.sin(x) / x)
+    return 2.0 * (1.0 - sinc)
+
+
+def strides(head_dim: int, rope_dim: int) -> list[int]:
+    """Strides s for which the grid j_i = s·i (i < R/2) fits in the d/2 source frequencies."""
+    slots, freqs = rope_dim // 2, head_dim // 2
+    if slots == 1:  # the grid always starts at the fastest frequency, j = 0
+        return [1]
+    return [s for s in range(1, freqs) if s * (slots - 1) <= freqs - 1] or [1]
+
+
+def kept_frequencies(rope_dim: int, stride: int) -> torch.Tensor:
+    return torch.arange(rope_dim // 2) * stride
+
+
+@dataclass(frozen=True)
+class RopeChoice:
+    """Which source frequencies fill the R/2 slots, and the energy bookkeeping behind the choice."""
+
+    stride: int
+    frequencies: torch.Tensor  # [R/2] source frequency index per slot
+    energy_kept: float  # fraction of (weighted) key energy that stays rotated
+    energy_kept_per_frequency: list[float]  # per source frequency: fraction of its energy kept
+    loss_weighted_kept: float  # same, with each frequency weighted by its rotation-loss weight
+
+
+def stride_scores(energies: torch.Tensor, source_freqs: torch.Tensor, rope_dim: int, context: int) -> dict[int, float]:
+    """For every stride that fits: the fraction of rotation-weighted key energy that stays rotated.
+
+    energies [F, n_kv] from ``head_mix``; source_freqs [F] the source's ω_j. Losing the rotation of a
+    component costs its energy times ``rotation_loss_weight`` (slow frequencies cost little).
+    """
+    weight = rotation_loss_weight(source_freqs, context)
+    total = (energies.sum(-1) * weight).sum().item()
+    scores = {}
+    for s in strides(2 * len(source_freqs), rope_dim):
+        idx = kept_frequencies(rope_dim, s)
+        scores[s] = (energies[idx, 0] * weight[idx]).sum().item() / total if total > 0 else 1.0
+    return scores
+
+
+def best_stride(scores: list[dict[int, float]]) -> int:
+    """The stride with the highest mean score over layers (ties: the smaller stride)."""
+    candidates = scores[0].keys()
+    return max(candidates, key=lambda s: (sum(layer[s] for layer in scores) / len(scores), -s))
+
+
+def choose_frequencies(energies: torch.Tensor, source_freqs: torch.Tensor, rope_dim: int, context: int,
+                       stride: int) -> RopeChoice:
+    """The slots' source frequencies for ``stride``, with the energy each keeps rotated."""
+    tiny = torch.finfo(energies.dtype).tiny
+    total = energies.sum().item()
+    per_freq_total = energies.sum(-1)
+    idx = kept_frequencies(rope_dim, stride)
+    per_freq = torch.zeros_like(per_freq_total)
+    per_freq[idx] = energies[idx, 0] / per_freq_total[idx].clamp_min(tiny)
+    return RopeChoice(
+        stride=stride,
+        frequencies=idx,
+        energy_kept=energies[idx, 0].sum().item() / total if total > 0 else 1.0,
+        energy_kept_per_frequency=per_freq.tolist(),
+        loss_weighted_kept=stride_scores(energies, source_freqs, rope_dim, context).get(stride, float("nan")),
+    )
+
+
+def target_rope_theta(theta: float, head_dim: int, rope_dim: int, stride: int) -> float:
+    """θ' with θ'^(-2i/R) = θ^(-2·s·i/d): the DeepSeek base that reproduces the kept frequencies."""
+    return float(theta ** (stride * rope_dim / head_dim))
+
+
+def source_frequencies(theta: float, head_dim: int) -> torch.Tensor:
+    """ω_j = θ^(-2j/d) for j < d/2 (before any rope_scaling, which acts per frequency)."""
+    return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+
+def interleave(z: torch.Tensor) -> torch.Tensor:
+    """Complex slot rows [..., slots, H] → real rows [..., 2·slots, H] in DeepSeek's (re, im) pair order."""
+    out = torch.stack([z.real, z.imag], dim=-2)  # [..., slots, 2, H]
+    return out.reshape(*z.shape[:-2], 2 * z.shape[-2], z.shape[-1])
+
+
+
+def scaled_frequencies(theta: float, head_dim: int, rope_scaling: dict | None) -> torch.Tensor:
+    """The source's actual ω_j after ``rope_scaling`` (linear or llama3; both act per frequency)."""
+    freqs = source_frequencies(theta, head_dim)
+    kind = (rope_scaling or {}).get("rope_type", "default")
+    if kind == "linear":
+        return freqs / float(rope_scaling["factor"])
+    if kind == "llama3":
+        factor = float(rope_scaling["factor"])
+        low, high = float(rope_scaling["low_freq_factor"]), float(rope_scaling["high_freq_factor"])
+        original = float(rope_scaling["original_max_position_embeddings"])
+        wavelength = 2 * torch.pi / freqs
+        smooth = ((original / wavelength - low) / (high - low)).clamp(0, 1)
+        blended = (1 - smooth) * freqs / factor + smooth * freqs
+        return torch.where(wavelength > original / low, freqs / factor,
+                           torch.where(wavelength < original / high, freqs, blended))
+    return freqs

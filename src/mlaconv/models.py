@@ -1,0 +1,87 @@
+"""Loading whole models and tokenizers through the public transformers API (never remote code)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mlaconv.errors import MlaconvError
+
+
+def load_causal_lm(folder: str | Path, dtype: torch.dtype = torch.float32, device_map: str | None = None,
+                   device: str | None = None):
+    """``AutoModelForCausalLM.from_pretrained`` in eval mode, without remote code, on any transformers ≥ 4.53."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    kwargs = {"trust_remote_code": False}
+    if device_map:
+        kwargs["device_map"] = device_map
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **kwargs)
+    except TypeError:  # transformers < 4.56 names it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=dtype, **kwargs)
+    if device and not device_map:
+        model = model.to(device)
+    return model.eval()
+
+
+def load_tokenizer(folder: str | Path):
+    """The folder's tokenizer, or None if it ships none."""
+    folder = Path(folder)
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except Exception as exc:  # tokenizers raise many types; the message is what the user needs
+        raise MlaconvError(f"cannot load the tokenizer in {folder}: {exc}") from None
+
+
+def parameter_bytes(folder: str | Path, dtype: torch.dtype) -> int:
+    """Bytes the model's parameters take in ``dtype`` (from the safetensors headers)."""
+    from mlaconv.io import CheckpointReader
+
+    reader = CheckpointReader(Path(folder))
+    elements = 0
+    for name in reader.names:
+        shape = reader.shape(name)
+        count = 1
+        for s in shape:
+            count *= s
+        elements += count
+    return elements * torch.empty((), dtype=dtype).element_size()
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (or a conservative 8 GiB where that file does not exist)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def kv_cache_elements(config: dict) -> int:
+    """KV-cache elements per token and layer a config implies (MLA: r + R; MHA/GQA: 2·n_kv·d)."""
+    if config.get("kv_lora_rank"):
+        return int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim", 0))
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    return 2 * kv_heads * head_dim
+
+
+def kv_cache_bytes_per_token(folder: str | Path, dtype: torch.dtype) -> int:
+    """Bytes of KV cache per token over all layers, for a model folder, at ``dtype``."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    element = torch.empty((), dtype=dtype).element_size()
+    return kv_cache_elements(config) * int(config["num_hidden_layers"]) * element
+

@@ -1,0 +1,80 @@
+"""The built-in check: load the converted folder through ``AutoModelForCausalLM`` and compare with the source.
+
+Tokens come from a short bundled English text through the source tokenizer or, for a model without
+one, from the source model's own samples (seeded). Both models run in float32 when memory allows.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from mlaconv.arch import SourceSpec
+from mlaconv.models import available_memory_bytes, load_causal_lm, load_tokenizer, parameter_bytes
+
+
+def compare_logits(reference: torch.Tensor, other: torch.Tensor) -> dict:
+    """max |Δlogit|, mean KL(reference ‖ other) per token, top-1 agreement; logits [..., vocab]."""
+    reference, other = reference.double().flatten(0, -2), other.double().flatten(0, -2)
+    logp = torch.log_softmax(reference, -1)
+    logq = torch.log_softmax(other, -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    diff = (reference - other).abs()
+    return {
+        "max_abs_logit_diff": diff.max().item(),
+        "max_rel_logit_diff": (diff.max() / reference.abs().max().clamp_min(1e-30)).item(),
+        "kl": kl.mean().item(),
+        "top1": (reference.argmax(-1) == other.argmax(-1)).double().mean().item(),
+    }
+
+
+def verification_tokens(source: Path, spec: SourceSpec, windows: int, window: int, model=None,
+                        seed: int = 0) -> torch.Tensor:
+    """[windows, window] token ids: the bundled text through the source tokenizer, else model samples."""
+    tokenizer = load_tokenizer(source)
+    if tokenizer is not None:
+        text = resources.files("mlaconv").joinpath("data/verify.txt").read_text()
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        window = min(window, len(ids))
+        windows = max(1, min(windows, len(ids) // window))
+        return torch.tensor(ids[: windows * window]).reshape(windows, window)
+    generator = torch.Generator().manual_seed(seed)
+    bos = spec.config.get("bos_token_id")
+    ids = torch.full((windows, 1), bos if isinstance(bos, int) else 0, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(window - 1):  # a full forward per step keeps this independent of any cache API
+            probs = torch.softmax(model(ids).logits[:, -1].double(), -1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    return ids
+
+
+def verify(source: Path, converted: Path, spec: SourceSpec, windows: int = 4, window: int = 128,
+           check_bias_drop: bool = False) -> dict:
+    """Compare the converted checkpoint with its source on a few windows; skip if both do not fit in RAM."""
+    budget = available_memory_bytes() // 2
+    for dtype in (torch.float32, torch.bfloat16):
+        need = parameter_bytes(source, dtype) + parameter_bytes(converted, dtype)
+        if need <= budget:
+            break
+    else:
+        return {"skipped": f"both models need {need / 2**30:.1f} GiB even in bfloat16, over half the "
+                           f"{2 * budget / 2**30:.1f} GiB available; run `mlaconv eval perplexity` on a bigger machine"}
+    window = min(window, spec.max_position_embeddings)
+    with torch.no_grad():
+        reference_model = load_causal_lm(source, dtype)
+        tokens = verification_tokens(source, spec, windows, window, model=reference_model)
+        reference = reference_model(tokens).logits
+        del reference_model
+        model = load_causal_lm(converted, dtype)
+        result = compare_logits(reference, model(tokens).logits)
+        result.update({"dtype": str(dtype).replace("torch.", ""), "windows": tokens.shape[0],
+                       "tokens": tokens.numel(), "loader": type(model).__name__})
+        if check_bias_drop:  # what vLLM and SGLang compute: the same checkpoint without its biases
+            for layer in model.model.layers:
+                for module in (layer.self_attn.kv_a_proj_with_mqa, layer.self_attn.o_proj):
+                    if module.bias is not None:
+                        module.bias.zero_()
+            result["biases_dropped"] = compare_logits(reference, model(tokens).logits)
+    return result

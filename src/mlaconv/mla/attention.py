@@ -168,21 +168,46 @@ def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, opti
     return target, row_weight
 
 
+@dataclass
+class LayerAnalysis:
+    """Everything about one layer that does not depend on the latent rank: what ``inspect`` shows."""
+
+    mix: rope.HeadMix
+    choice: rope.RopeChoice
+    shared: torch.Tensor  # κ per slot [R/2, H] complex
+    k_nope: torch.Tensor  # [n_kv·d, H]
+    target: torch.Tensor  # [K_nope; V] [2·n_kv·d, H]
+    row_weight: torch.Tensor  # [2·n_kv·d]
+    spectrum: latent_math.Spectrum  # of the exact matrix the latent truncates
+
+
+def analyse_layer(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
+                  stats: LayerStats | None = None) -> LayerAnalysis:
+    """RoPE split and the latent's spectrum for one layer (float64 copies of ``src`` are used)."""
+    src = _as_float64(src)
+    stats = stats if stats is not None else LayerStats.weights_only(src.input_norm)
+    mix, choice, shared, k_nope = decompose_keys(src.k, src.q, shape, stats, options)
+    target, row_weight = latent_target(k_nope, src.v, stats, options)
+    spec = latent_math.spectrum(row_weight[:, None] * target, stats.metric)
+    return LayerAnalysis(mix, choice, shared, k_nope, target, row_weight, spec)
+
+
+def _as_float64(src: SourceAttention) -> SourceAttention:
+    return SourceAttention(**{name: (t.to(torch.float64) if t is not None else None) for name, t in vars(src).items()})
+
+
 def convert_attention(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
                       stats: LayerStats | None = None) -> tuple[MLAAttention, LayerReport]:
     """Convert one layer; all inputs are cast to float64 first."""
-    f64 = {name: (t.to(torch.float64) if t is not None else None) for name, t in vars(src).items()}
-    src = SourceAttention(**f64)
+    src = _as_float64(src)
     stats = stats if stats is not None else LayerStats.weights_only(src.input_norm)
     N, G, d, R, r = shape.heads, shape.kv_heads, shape.head_dim, options.rope_dim, options.rank
     group_of_head = torch.arange(N) // shape.group
 
-    mix, choice, shared, k_nope = decompose_keys(src.k, src.q, shape, stats, options)
+    layer = analyse_layer(src, shape, options, stats)
+    mix, choice, shared, k_nope, spec = layer.mix, layer.choice, layer.shared, layer.k_nope, layer.spectrum
     kept = choice.frequencies
-
-    target, row_weight = latent_target(k_nope, src.v, stats, options)
-    spec = latent_math.spectrum(row_weight[:, None] * target, stats.metric)
-    lat = latent_math.factor(target, row_weight, stats.metric, r, spec)
+    lat = latent_math.factor(layer.target, layer.row_weight, stats.metric, r, spec)
     up_k, up_v = lat.up[: G * d], lat.up[G * d :]
     key_error = latent_math.relative_error(k_nope, up_k @ lat.down, stats.metric)
     value_error = latent_math.relative_error(src.v, up_v @ lat.down, stats.metric)

@@ -37,5 +37,16 @@ def main() -> None:
     app()
 
 
-# Sub-commands register themselves on the apps above.
-from mlaconv.cli import convert as _convert  # noqa: E402,F401
+def _register_commands() -> None:
+    """Import the sub-command modules; each registers itself on the apps above."""
+    import importlib
+
+    for name in ("convert", "inspect", "evaluate", "bench"):
+        try:
+            importlib.import_module(f"mlaconv.cli.{name}")
+        except ModuleNotFoundError as exc:  # a sub-command still being written
+            if exc.name != f"mlaconv.cli.{name}":
+                raise
+
+
+_register_commands()

@@ -10,7 +10,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, TypeVar
 
@@ -295,6 +295,8 @@ def _report(spec: SourceSpec, shapes: Shapes, config: dict, reports: list[LayerR
         "mlaconv_version": __version__,
         "output": str(out),
         "source": str(source),
+        "source_revision": source.name if source.parent.name == "snapshots" else None,
+        "settings": {k: v for k, v in asdict(options).items() if k != "extra_report"},
         "architecture": spec.family.label,
         "mode": "weights-only",
         "dtype": str(dtype).replace("torch.", ""),

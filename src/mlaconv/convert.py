@@ -18,12 +18,13 @@ import torch
 
 from mlaconv import __version__, deepseek
 from mlaconv.arch import SourceSpec
+from mlaconv.calibrate import CalibrationOptions, SourceStreamer, load_calibration_tokens
 from mlaconv.errors import MlaconvError
 from mlaconv.io import (CheckpointReader, ShardedWriter, atomic_output_dir, check_free_space, check_output_target,
                         read_config, resolve_source)
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
 from mlaconv.mla import rope
-from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, LayerStats, SourceAttention,
+from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, SourceAttention,
                                    convert_attention, full_rank, rope_stride_scores)
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, LATENT_NORM_EPS
 
@@ -59,7 +60,17 @@ class ConvertOptions:
     kv_balance: float = 1.0
     delta: float = DEFAULT_DELTA
     revision: str | None = None
+    calib: list[str] = field(default_factory=list)
+    calib_dataset: str | None = None
+    calib_tokens: int = 65536
+    calib_window: int = 2048
+    calib_batch_size: int = 4
+    device: str = "cpu"
     extra_report: dict = field(default_factory=dict)
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.calib or self.calib_dataset)
 
 
 @dataclass(frozen=True)
@@ -166,8 +177,7 @@ def layer_options(spec: SourceSpec, shapes: Shapes, options: ConvertOptions, res
     )
 
 
-def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = _no_progress,
-            stats_for_layer: Callable[[int, SourceAttention], LayerStats] | None = None) -> dict:
+def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = _no_progress) -> dict:
     """Convert ``source`` into an MLA checkpoint at ``out``; return the report (a JSON-able dict)."""
     started = time.perf_counter()
     out = Path(out)
@@ -178,6 +188,11 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     dtype = _out_dtype(spec, options.dtype)
     check_output_target(out, folder, options.force)
     check_free_space(out.parent, _estimate_output_bytes(spec, shapes, dtype))
+    streamer = None
+    if options.calibrated:
+        tokens = load_calibration_tokens(folder, spec, options.calib, options.calib_dataset, options.calib_tokens,
+                                         options.calib_window)
+        streamer = SourceStreamer(reader, spec, CalibrationOptions(tokens, options.device, options.calib_batch_size))
 
     residual_scale = math.sqrt(LATENT_NORM_EPS / spec.rms_norm_eps)
     lopts = layer_options(spec, shapes, options, residual_scale)
@@ -199,8 +214,10 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
 
         for i in progress(range(spec.num_layers), "converting layers", spec.num_layers):
             src = read_attention(reader, spec, i)
-            stats = stats_for_layer(i, src) if stats_for_layer else None
+            stats = streamer.stats(i, src) if streamer else None
             mla, report = convert_attention(src, shape, lopts, stats)
+            if streamer:
+                streamer.advance(i, src, mla)
             reports.append(report)
             p = deepseek.layer_prefix(i)
             writer.add(p + deepseek.Q_PROJ, mla.q_proj.to(dtype))
@@ -231,6 +248,10 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         copied = _copy_tokenizer(folder, tmp)
 
         report = _report(spec, shapes, config, reports, out, folder, dtype, residual_scale, options, copied)
+        if streamer:
+            report["mode"] = "calibrated"
+            report["calibration"] = {"windows": streamer.options.tokens.shape[0],
+                                     "window": streamer.options.tokens.shape[1], "tokens": streamer.token_count}
         if options.verify:
             from mlaconv.verify import verify
 

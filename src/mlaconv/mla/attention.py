@@ -98,9 +98,15 @@ class LayerReport:
 
 @dataclass(frozen=True)
 class LayerStats:
-    """Second moments of one layer's attention input x = γ ⊙ ĥ (weights-only: ĥ isotropic)."""
+    """What calibration knows of one layer (weights-only: ĥ isotropic, no attention profile).
+
+    rotation_mean μ[h, j] = E[e^{-iΔω_j}] over the source's attention of query head h (Δ = query
+    position − key position, weighted by the attention probabilities): the best position-free
+    stand-in for the rotation of a key component that loses it.
+    """
 
     metric: torch.Tensor  # E[x xᵀ] [H, H], float64
+    rotation_mean: torch.Tensor | None = None  # μ [N, F] complex128
 
     @classmethod
     def weights_only(cls, gamma: torch.Tensor) -> "LayerStats":
@@ -112,19 +118,37 @@ def full_rank(shape: AttentionShape, rope_dim: int) -> int:
     return min(shape.hidden, 2 * shape.kv_heads * shape.head_dim - rope_dim)
 
 
-def query_energy(q: torch.Tensor, shape: AttentionShape, metric: torch.Tensor) -> torch.Tensor:
-    """E|q_h^j|² summed over the query heads of each KV group → [F, n_kv]."""
+def query_energy_per_head(q: torch.Tensor, shape: AttentionShape, metric: torch.Tensor) -> torch.Tensor:
+    """E|q_h^j|² → [F, N]."""
     zq = rope.complex_pairs(q, shape.heads)  # [F, N, H]
-    per_head = torch.einsum("fnh,hk,fnk->fn", zq, metric.to(zq.dtype), zq.conj()).real
-    return per_head.reshape(per_head.shape[0], shape.kv_heads, shape.group).sum(-1)
+    return torch.einsum("fnh,hk,fnk->fn", zq, metric.to(zq.dtype), zq.conj()).real
+
+
+def unrotation_cost(shape: AttentionShape, stats: LayerStats, options: LayerOptions) -> torch.Tensor:
+    """[F, N]: expected |e^{-iΔω} − μ|² when a key component at frequency j loses its rotation for head h.
+
+    Calibrated: 1 − |μ|² with the measured attention profile μ (the remainder then uses μ). Weights
+    only: μ = 1 and Δ uniform over the context, i.e. ``rope.rotation_loss_weight``.
+    """
+    if stats.rotation_mean is not None:
+        return (1 - stats.rotation_mean.abs() ** 2).clamp_min(0).T
+    freqs = rope.scaled_frequencies(options.rope_theta, shape.head_dim, options.rope_scaling)
+    return rope.rotation_loss_weight(freqs, options.context)[:, None].expand(-1, shape.heads)
 
 
 def key_mix(k: torch.Tensor, q: torch.Tensor, shape: AttentionShape, stats: LayerStats,
             options: LayerOptions) -> tuple[torch.Tensor, rope.HeadMix]:
-    """Per frequency, the best mix of the KV heads into one rotated component → (complex keys, mix)."""
+    """Per frequency, the best mix of the KV heads into one rotated component → (complex keys, mix).
+
+    Each KV head weighs by what losing its rotation costs the query heads it serves: the unrotation
+    cost, times the query energy when ``query_weighted_rope``.
+    """
     zk = rope.complex_pairs(k, shape.kv_heads)  # [F, n_kv, H]
     gram = rope.hermitian_gram(zk, stats.metric)
-    weights = query_energy(q, shape, stats.metric) if options.query_weighted_rope else None
+    cost = unrotation_cost(shape, stats, options)  # [F, N]
+    if options.query_weighted_rope:
+        cost = cost * query_energy_per_head(q, shape, stats.metric)
+    weights = cost.reshape(cost.shape[0], shape.kv_heads, shape.group).sum(-1)
     return zk, rope.head_mix(gram, weights)
 
 
@@ -133,25 +157,29 @@ def rope_stride_scores(src: SourceAttention, shape: AttentionShape, options: Lay
     """How much rotation-weighted key energy each candidate stride keeps rotated in this layer."""
     stats = stats if stats is not None else LayerStats.weights_only(src.input_norm.to(torch.float64))
     _, mix = key_mix(src.k.to(torch.float64), src.q.to(torch.float64), shape, stats, options)
-    freqs = rope.scaled_frequencies(options.rope_theta, shape.head_dim, options.rope_scaling)
-    return rope.stride_scores(mix.energies, freqs, options.rope_dim, options.context)
+    return rope.stride_scores(mix.energies, options.rope_dim)
 
 
 def decompose_keys(k: torch.Tensor, q: torch.Tensor, shape: AttentionShape, stats: LayerStats,
                    options: LayerOptions):
     """Split the keys into the shared rotated component and per-head remainders (step 1)."""
     zk, mix = key_mix(k, q, shape, stats, options)
-    freqs = rope.scaled_frequencies(options.rope_theta, shape.head_dim, options.rope_scaling)
     stride = options.rope_stride
     if stride is None:
-        scores = rope.stride_scores(mix.energies, freqs, options.rope_dim, options.context)
-        stride = rope.best_stride([scores])
-    choice = rope.choose_frequencies(mix.energies, freqs, options.rope_dim, options.context, stride)
+        stride = rope.best_stride([rope.stride_scores(mix.energies, options.rope_dim)])
+    choice = rope.choose_frequencies(mix.energies, options.rope_dim, stride)
     kept = choice.frequencies
     shared = torch.einsum("sg,sgh->sh", mix.b[kept], zk[kept])  # κ per slot [R/2, H]
     remainder = zk.clone()
     remainder[kept] -= mix.a[kept][:, :, None] * shared[:, None, :]
-    return mix, choice, shared, rope.real_rows(remainder)
+    plain_kept = 1 - _complex_energy(remainder, stats.metric) / max(_complex_energy(zk, stats.metric), 1e-300)
+    return mix, choice, plain_kept, shared, rope.real_rows(remainder)
+
+
+def _complex_energy(z: torch.Tensor, metric: torch.Tensor) -> float:
+    """Σ E|z·x|² over complex rows z [..., H]."""
+    zr = z.reshape(-1, z.shape[-1])
+    return torch.einsum("nh,hk,nk->", zr, metric.to(zr.dtype), zr.conj()).real.item()
 
 
 def block_norm(w: torch.Tensor, metric: torch.Tensor) -> float:
@@ -174,6 +202,7 @@ class LayerAnalysis:
 
     mix: rope.HeadMix
     choice: rope.RopeChoice
+    rope_energy_kept: float  # fraction of the plain key energy that stays rotated (1 − remainder energy)
     shared: torch.Tensor  # κ per slot [R/2, H] complex
     k_nope: torch.Tensor  # [n_kv·d, H]
     target: torch.Tensor  # [K_nope; V] [2·n_kv·d, H]
@@ -186,10 +215,10 @@ def analyse_layer(src: SourceAttention, shape: AttentionShape, options: LayerOpt
     """RoPE split and the latent's spectrum for one layer (float64 copies of ``src`` are used)."""
     src = _as_float64(src)
     stats = stats if stats is not None else LayerStats.weights_only(src.input_norm)
-    mix, choice, shared, k_nope = decompose_keys(src.k, src.q, shape, stats, options)
+    mix, choice, plain_kept, shared, k_nope = decompose_keys(src.k, src.q, shape, stats, options)
     target, row_weight = latent_target(k_nope, src.v, stats, options)
     spec = latent_math.spectrum(row_weight[:, None] * target, stats.metric)
-    return LayerAnalysis(mix, choice, shared, k_nope, target, row_weight, spec)
+    return LayerAnalysis(mix, choice, plain_kept, shared, k_nope, target, row_weight, spec)
 
 
 def _as_float64(src: SourceAttention) -> SourceAttention:
@@ -215,12 +244,17 @@ def convert_attention(src: SourceAttention, shape: AttentionShape, options: Laye
     typical_rms = math.sqrt(max(torch.einsum("ij,jk,ik->", lat.down, stats.metric, lat.down).item(), 0.0) / r)
     tiny = tiny_latent(lat.down, src.input_norm, typical_rms, delta=options.delta)
 
-    # Query: NoPE rows are the source query; rope rows take each head's share conj(a) of the shared key.
+    # Query: rope rows take each head's share conj(a) of the shared key; NoPE rows are the source
+    # query, times conj(μ) per pair when calibration measured the attention profile (the
+    # remainders then see the mean rotation instead of none).
     q_scale = math.sqrt((d + R) / d)
     zq = rope.complex_pairs(src.q, N)  # [F, N, H]
     q_rope = mix.a[kept][:, group_of_head].conj()[:, :, None] * zq[kept]  # [R/2, N, H]
     q_rope = rope.interleave(q_rope.transpose(0, 1))  # [N, R, H]
-    q_proj = torch.cat([src.q.reshape(N, d, -1), q_rope], dim=1).reshape(N * (d + R), -1) * q_scale
+    q_nope = src.q
+    if stats.rotation_mean is not None:
+        q_nope = rope.real_rows(stats.rotation_mean.T.conj()[:, :, None] * zq)
+    q_proj = torch.cat([q_nope.reshape(N, d, -1), q_rope], dim=1).reshape(N * (d + R), -1) * q_scale
 
     kv_a = torch.cat([tiny.beta * lat.down, rope.interleave(shared)], dim=0)
     kv_b = torch.stack([up_k.reshape(G, d, r), up_v.reshape(G, d, r)], dim=1)  # [G, 2, d, r]
@@ -255,7 +289,7 @@ def convert_attention(src: SourceAttention, shape: AttentionShape, options: Laye
     )
     report = LayerReport(
         energy_retained=lat.energy,
-        rope_energy_kept=choice.energy_kept,
+        rope_energy_kept=layer.rope_energy_kept,
         rope_energy_kept_per_frequency=choice.energy_kept_per_frequency,
         rope_loss_weighted_kept=choice.loss_weighted_kept,
         rope_stride=choice.stride,

@@ -102,23 +102,21 @@ class RopeChoice:
 
     stride: int
     frequencies: torch.Tensor  # [R/2] source frequency index per slot
-    energy_kept: float  # fraction of (weighted) key energy that stays rotated
-    energy_kept_per_frequency: list[float]  # per source frequency: fraction of its energy kept
-    loss_weighted_kept: float  # same, with each frequency weighted by its rotation-loss weight
+    energy_kept_per_frequency: list[float]  # per source frequency: fraction of its weighted energy kept
+    loss_weighted_kept: float  # fraction of the cost-weighted key energy kept rotated
 
 
-def stride_scores(energies: torch.Tensor, source_freqs: torch.Tensor, rope_dim: int, context: int) -> dict[int, float]:
-    """For every stride that fits: the fraction of rotation-weighted key energy that stays rotated.
+def stride_scores(energies: torch.Tensor, rope_dim: int) -> dict[int, float]:
+    """For every stride that fits: the fraction of the weighted key energy its slots keep rotated.
 
-    energies [F, n_kv] from ``head_mix``; source_freqs [F] the source's ω_j. Losing the rotation of a
-    component costs its energy times ``rotation_loss_weight`` (slow frequencies cost little).
+    energies [F, n_kv] from ``head_mix`` (eigenvalues of the cost-weighted Gram, so a frequency whose
+    rotation barely matters weighs little).
     """
-    weight = rotation_loss_weight(source_freqs, context)
-    total = (energies.sum(-1) * weight).sum().item()
+    total = energies.sum().item()
     scores = {}
-    for s in strides(2 * len(source_freqs), rope_dim):
-        idx = kept_frequencies(rope_dim, s)
-        scores[s] = (energies[idx, 0] * weight[idx]).sum().item() / total if total > 0 else 1.0
+    for s in strides(2 * energies.shape[0], rope_dim):
+        kept = energies[kept_frequencies(rope_dim, s), 0].sum().item()
+        scores[s] = kept / total if total > 0 else 1.0
     return scores
 
 
@@ -128,22 +126,15 @@ def best_stride(scores: list[dict[int, float]]) -> int:
     return max(candidates, key=lambda s: (sum(layer[s] for layer in scores) / len(scores), -s))
 
 
-def choose_frequencies(energies: torch.Tensor, source_freqs: torch.Tensor, rope_dim: int, context: int,
-                       stride: int) -> RopeChoice:
-    """The slots' source frequencies for ``stride``, with the energy each keeps rotated."""
+def choose_frequencies(energies: torch.Tensor, rope_dim: int, stride: int) -> RopeChoice:
+    """The slots' source frequencies for ``stride``, with the weighted energy each keeps rotated."""
     tiny = torch.finfo(energies.dtype).tiny
-    total = energies.sum().item()
     per_freq_total = energies.sum(-1)
     idx = kept_frequencies(rope_dim, stride)
     per_freq = torch.zeros_like(per_freq_total)
     per_freq[idx] = energies[idx, 0] / per_freq_total[idx].clamp_min(tiny)
-    return RopeChoice(
-        stride=stride,
-        frequencies=idx,
-        energy_kept=energies[idx, 0].sum().item() / total if total > 0 else 1.0,
-        energy_kept_per_frequency=per_freq.tolist(),
-        loss_weighted_kept=stride_scores(energies, source_freqs, rope_dim, context).get(stride, float("nan")),
-    )
+    return RopeChoice(stride=stride, frequencies=idx, energy_kept_per_frequency=per_freq.tolist(),
+                      loss_weighted_kept=stride_scores(energies, rope_dim)[stride])
 
 
 def target_rope_theta(theta: float, head_dim: int, rope_dim: int, stride: int) -> float:

@@ -1,0 +1,173 @@
+"""Calibration, streamed: run the source model one layer at a time and collect what the factorization needs.
+
+Only the current layer's weights and the calibration activations are in memory: the hidden states
+of the calibration windows [B, S, H] (float32) move through the source model layer by layer, and for
+each layer we accumulate E[x xᵀ] of the attention input x = γ ⊙ ĥ in float64. Everything the
+converter weighs (key/query energies per frequency, K/V output energies) is a quadratic form in
+that matrix, so this is all the data it needs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mlaconv.arch import SourceSpec
+from mlaconv.errors import MlaconvError
+from mlaconv.io import CheckpointReader
+from mlaconv.mla.attention import LayerStats, MLAAttention, SourceAttention
+from mlaconv.mla.rope import scaled_frequencies
+from mlaconv.reference import (Heads, MLPWeights, attention_by_distance, mlp_block, rms_norm, rope_angles,
+                               source_attention)
+
+
+def load_calibration_tokens(source: Path, spec: SourceSpec, files: list[str], dataset: str | None,
+                            tokens: int, window: int, seed: int = 0) -> torch.Tensor:
+    """[B, S] calibration windows: text (tokenized once with the source tokenizer) or token-id files.
+
+    Text files and a Hugging Face dataset are joined with blank lines and tokenized once; ``.jsonl``
+    files hold ``{"input_ids": [...]}`` lines. Non-overlapping windows of ``window`` tokens are cut,
+    and ``tokens // window`` of them (at least one) are drawn with a fixed seed.
+    """
+    from mlaconv.models import load_tokenizer
+
+    window = min(window, spec.max_position_embeddings)
+    if window < 2:
+        raise MlaconvError(f"--calib-window must be at least 2, got {window}")
+    texts, sequences = [], []
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise MlaconvError(f"calibration file not found: {name}")
+        if path.suffix == ".jsonl":
+            sequences.extend(_token_lines(path))
+        else:
+            texts.append(path.read_text(encoding="utf-8", errors="replace"))
+    if dataset:
+        texts.append(_dataset_text(dataset))
+    if texts:
+        tokenizer = load_tokenizer(source)
+        if tokenizer is None:
+            raise MlaconvError(f"{source} has no tokenizer: give calibration as token ids (--calib FILE.jsonl)")
+        sequences.append(tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"])
+    windows = [seq[k : k + window] for seq in sequences for k in range(0, len(seq) - window + 1, window)]
+    if not windows:
+        raise MlaconvError(f"the calibration data is shorter than one window of {window} tokens")
+    count = max(1, min(len(windows), tokens // window))
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))[:count].sort().values
+    ids = torch.tensor([windows[k] for k in order.tolist()], dtype=torch.long)
+    if ids.max() >= spec.vocab_size or ids.min() < 0:
+        raise MlaconvError(f"calibration token ids fall outside the vocabulary (size {spec.vocab_size})")
+    return ids
+
+
+def _token_lines(path: Path) -> list[list[int]]:
+    sequences = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            ids = json.loads(line)["input_ids"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise MlaconvError(f"{path.name} line {number} is not a JSON object with input_ids") from None
+        sequences.append([int(t) for t in ids])
+    return sequences
+
+
+def _dataset_text(spec: str) -> str:
+    """A Hugging Face dataset NAME[:CONFIG[:SPLIT]] joined into one text (local cache when offline)."""
+    try:
+        import datasets
+    except ImportError:
+        raise MlaconvError("--calib-dataset needs the datasets package: pip install 'mlaconv[datasets]'") from None
+    name, config, split = (spec.split(":") + [None, None])[:3]
+    if name == "wikitext" and config is None:
+        config = "wikitext-2-raw-v1"
+    try:
+        data = datasets.load_dataset(name, config, split=split or "train")
+    except Exception as exc:  # datasets raises many types when offline or misnamed
+        raise MlaconvError(f"cannot load dataset {spec!r}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    column = "text" if "text" in data.column_names else data.column_names[0]
+    return "\n\n".join(str(t) for t in data[column])
+
+
+@dataclass
+class CalibrationOptions:
+    tokens: torch.Tensor  # [B, S] token ids of the calibration windows
+    device: str = "cpu"
+    batch_size: int = 4
+    profile_windows: int = 16  # windows whose attention probabilities give the distance profile μ
+
+
+class SourceStreamer:
+    """Moves calibration windows through the source model, one layer at a time, in float32.
+
+    Use ``stats(i, attention)`` to get layer i's input statistics, then ``advance(i, attention)`` to
+    move the hidden states through layer i (its MLP weights are read then and dropped right after).
+    """
+
+    def __init__(self, reader: CheckpointReader, spec: SourceSpec, options: CalibrationOptions):
+        self.reader, self.spec, self.options = reader, spec, options
+        self.device = torch.device(options.device)
+        self.heads = Heads(spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        embed = reader.get(spec.names.embed)
+        self.hidden = embed[options.tokens].to(torch.float32)  # [B, S, H] on CPU
+        del embed
+        self.freqs = scaled_frequencies(spec.rope_theta, spec.head_dim, spec.rope_scaling)
+        self.angles = rope_angles(self.freqs, options.tokens.shape[1]).to(self.device)
+        self.next_layer = 0
+
+    @property
+    def token_count(self) -> int:
+        return self.options.tokens.numel()
+
+    def _batches(self):
+        for start in range(0, self.hidden.shape[0], self.options.batch_size):
+            yield slice(start, start + self.options.batch_size)
+
+    def stats(self, i: int, attention: SourceAttention) -> LayerStats:
+        """Layer i's E[x xᵀ] [H, H] over all calibration tokens and its attention profile μ [N, F]."""
+        if i != self.next_layer:
+            raise RuntimeError(f"calibration is at layer {self.next_layer}, asked for layer {i}")
+        weights = self._on_device(attention)
+        H, S = self.spec.hidden_size, self.options.tokens.shape[1]
+        moment = torch.zeros(H, H, dtype=torch.float64, device=self.device)
+        by_distance = torch.zeros(self.spec.num_heads, S, dtype=torch.float64, device=self.device)
+        profiled = 0
+        with torch.no_grad():
+            for batch in self._batches():
+                x = rms_norm(self.hidden[batch].to(self.device), weights.input_norm, self.spec.rms_norm_eps)
+                moment += x.flatten(0, 1).T.double() @ x.flatten(0, 1).double()
+                if profiled < self.options.profile_windows:
+                    by_distance += attention_by_distance(x, weights, self.heads, self.angles).double()
+                    profiled += x.shape[0]
+        phases = torch.exp(-1j * torch.arange(S, dtype=torch.float64)[:, None] * self.freqs[None, :])  # [S, F]
+        rotation_mean = (by_distance.cpu().to(torch.complex128) @ phases) / (profiled * S)
+        return LayerStats(metric=(moment / self.token_count).cpu(), rotation_mean=rotation_mean)
+
+    def _on_device(self, attention: SourceAttention) -> SourceAttention:
+        return SourceAttention(**{name: t.to(self.device, torch.float32) if t is not None else None
+                                  for name, t in vars(attention).items()})
+
+    def advance(self, i: int, attention: SourceAttention, converted: MLAAttention | None = None) -> None:  # noqa: ARG002
+        """Move the hidden states through source layer i (attention + MLP)."""
+        n = self.spec.names
+        attention = self._on_device(attention)
+        mlp = MLPWeights(
+            gate=self.reader.get(n.in_layer(i, n.gate + ".weight")).to(self.device, torch.float32),
+            up=self.reader.get(n.in_layer(i, n.up + ".weight")).to(self.device, torch.float32),
+            down=self.reader.get(n.in_layer(i, n.down + ".weight")).to(self.device, torch.float32),
+            post_attention_norm=self.reader.get(n.in_layer(i, n.post_attention_norm)).to(self.device, torch.float32),
+        )
+        eps = self.spec.rms_norm_eps
+        with torch.no_grad():
+            for batch in self._batches():
+                h = self.hidden[batch].to(self.device)
+                x = rms_norm(h, attention.input_norm, eps).to(torch.float32)
+                h = h + source_attention(x, attention, self.heads, self.angles)
+                h = h + mlp_block(h, mlp, eps)
+                self.hidden[batch] = h.cpu()
+        self.next_layer = i + 1

@@ -1,0 +1,114 @@
+"""Reference forwards of one decoder block, from weight tensors: the source (Llama-style) and MLA attention.
+
+Calibration runs the source model through these one layer at a time (so only one layer's weights
+are in memory), and measures how far a candidate MLA attention is from the source attention on the
+same inputs. Shapes: B windows, S tokens, H hidden; N heads, n_kv KV heads, d head dim.
+Tests check the source forward against transformers' own model classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mlaconv.mla.attention import MLAAttention, SourceAttention
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 (or the input's dtype if wider), then scaled by ``weight``."""
+    dtype = torch.promote_types(h.dtype, torch.float32)
+    x = h.to(dtype)
+    return weight.to(dtype) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope_angles(freqs: torch.Tensor, length: int) -> torch.Tensor:
+    """Angles pos·ω [S, F] for positions 0..S-1 (float64 for exactness, cast by the caller)."""
+    return torch.arange(length, dtype=torch.float64)[:, None] * freqs.to(torch.float64)[None, :]
+
+
+def rotate_half_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """RoPE in the rotate-half layout: pair j = (x[j], x[j + d/2]); x [..., S, d], angles [S, d/2]."""
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rotate_interleaved(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """RoPE in DeepSeek's interleaved layout: pair i = (x[2i], x[2i+1]); x [..., S, R], angles [S, R/2]."""
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+
+
+@dataclass(frozen=True)
+class Heads:
+    heads: int  # N
+    kv_heads: int  # n_kv
+    head_dim: int  # d
+
+
+def source_attention(x: torch.Tensor, w: SourceAttention, heads: Heads, angles: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention of the source on normalised input x [B, S, H] → [B, S, H] (before the residual)."""
+    B, S, _ = x.shape
+    N, G, d = heads.heads, heads.kv_heads, heads.head_dim
+    q = _linear(x, w.q, w.q_bias).view(B, S, N, d).transpose(1, 2)
+    k = _linear(x, w.k, w.k_bias).view(B, S, G, d).transpose(1, 2)
+    v = _linear(x, w.v, w.v_bias).view(B, S, G, d).transpose(1, 2)
+    q, k = rotate_half_pairs(q, angles), rotate_half_pairs(k, angles)
+    k, v = k.repeat_interleave(N // G, dim=1), v.repeat_interleave(N // G, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # scale d^-½
+    return _linear(out.transpose(1, 2).reshape(B, S, N * d), w.o, w.o_bias)
+
+
+def mla_attention(x: torch.Tensor, w: MLAAttention, heads: Heads, rank: int, rope_dim: int,
+                  angles: torch.Tensor, latent_eps: float = 1e-6) -> torch.Tensor:
+    """DeepSeek-V3 attention (q_lora_rank null, interleaved RoPE) on x [B, S, H] → [B, S, H]."""
+    B, S, _ = x.shape
+    N, d, R = heads.heads, heads.head_dim, rope_dim
+    q = _linear(x, w.q_proj).view(B, S, N, d + R).transpose(1, 2)
+    q_nope, q_rope = q[..., :d], q[..., d:]
+    compressed = _linear(x, w.kv_a_proj, w.kv_a_bias)
+    latent = rms_norm(compressed[..., :rank], w.kv_a_norm, latent_eps).to(x.dtype)
+    k_rope = compressed[..., rank:].unsqueeze(1)  # [B, 1, S, R], shared by all heads
+    kv = _linear(latent, w.kv_b_proj).view(B, S, N, 2 * d).transpose(1, 2)
+    k_nope, v = kv[..., :d], kv[..., d:]
+    q_rope, k_rope = rotate_interleaved(q_rope, angles), rotate_interleaved(k_rope, angles)
+    k = torch.cat([k_nope, k_rope.expand(B, N, S, R)], dim=-1)
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # scale (d+R)^-½ as DeepSeek
+    return _linear(out.transpose(1, 2).reshape(B, S, N * d), w.o_proj, w.o_bias)
+
+
+@dataclass
+class MLPWeights:
+    gate: torch.Tensor  # [F, H]
+    up: torch.Tensor  # [F, H]
+    down: torch.Tensor  # [H, F]
+    post_attention_norm: torch.Tensor  # [H]
+
+
+def mlp_block(h: torch.Tensor, w: MLPWeights, eps: float) -> torch.Tensor:
+    """SwiGLU MLP on the residual h [B, S, H] (its pre-norm included) → the MLP's output."""
+    x = rms_norm(h, w.post_attention_norm, eps).to(h.dtype)
+    return _linear(F.silu(_linear(x, w.gate)) * _linear(x, w.up), w.down)
+
+
+def attention_by_distance(x: torch.Tensor, w: SourceAttention, heads: Heads, angles: torch.Tensor) -> torch.Tensor:
+    """Σ over windows and queries of the attention each head pays at distance Δ = m − n → [N, S]."""
+    B, S, _ = x.shape
+    N, G, d = heads.heads, heads.kv_heads, heads.head_dim
+    q = rotate_half_pairs(_linear(x, w.q, w.q_bias).view(B, S, N, d).transpose(1, 2), angles)
+    k = rotate_half_pairs(_linear(x, w.k, w.k_bias).view(B, S, G, d).transpose(1, 2), angles)
+    k = k.repeat_interleave(N // G, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * d**-0.5  # [B, N, S, S]
+    causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1).sum(0)  # [N, S, S]
+    distance = (torch.arange(S, device=x.device)[:, None] - torch.arange(S, device=x.device)[None, :]).clamp_min(0)
+    by_distance = torch.zeros(N, S, dtype=probs.dtype, device=x.device)
+    return by_distance.index_add_(1, distance.flatten(), probs.flatten(1))

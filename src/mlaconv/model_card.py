@@ -1,0 +1,328 @@
+"""The model card (README.md) written next to a converted checkpoint, from the conversion report.
+
+Hugging Face model-card style: YAML front-matter (``base_model``, ``library_name``, ``tags``), then
+what the folder is, every setting, the KV cache before and after, the per-layer approximation
+figures, the verification and evaluation results present in the report, what each serving stack
+keeps, and how to load and serve it. The card only restates the report (``mlaconv.json``); parts
+the report lacks are left out rather than guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+# The Hugging Face cache keeps a hub model in .../models--ORG--NAME/snapshots/REVISION.
+_HUB_CACHE_FOLDER = re.compile(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots[/\\]")
+KERNELS = {
+    "flashmla": "FlashMLA (vLLM, SGLang; Hopper): needs r + R = 512 + 64",
+    "cutlass_mla": "CUTLASS MLA (vLLM; Blackwell): needs 512 + 64",
+    "flashinfer_mla": "FlashInfer MLA (vLLM, SGLang): needs 512 + 64 and P ∈ {64, 128, 192}",
+    "deepseek_r1_prefill_fast_path": "vLLM DeepSeek-R1 prefill fast paths (Blackwell): need P = V = 128",
+    "vllm_head_size_whitelist": "vLLM MLA head-size whitelist: r + R ∈ {320, 576} (older releases: 576 only)",
+    "triton_mla": "Triton MLA (vLLM, SGLang; any GPU): generic",
+}
+STACKS = {"transformers": "transformers", "vllm": "vLLM", "sglang": "SGLang"}
+
+
+def write_model_card(folder: Path, report: dict) -> None:
+    """Write ``folder/README.md`` describing the converted checkpoint that ``report`` describes."""
+    (Path(folder) / "README.md").write_text(render_model_card(report), encoding="utf-8")
+
+
+def render_model_card(report: dict) -> str:
+    """The model card as Markdown text."""
+    sections = [
+        _front_matter(report), _introduction(report), _kv_cache(report), _settings(report), _per_layer(report),
+        _verification(report.get("verify")), _evaluation(report.get("eval")), _serving(report),
+        _usage(report), _quality(report),
+    ]
+    return "\n\n".join(section for section in sections if section) + "\n"
+
+
+def hub_id(report: dict) -> str | None:
+    """The source's hub id: ``source_id`` when the report has it, else read off a HF-cache path."""
+    if report.get("source_id"):
+        return report["source_id"]
+    match = _HUB_CACHE_FOLDER.search(str(report.get("source", "")))
+    return f"{match[1]}/{match[2]}" if match else None
+
+
+def _front_matter(report: dict) -> str:
+    meta = {"library_name": "transformers", "tags": ["mla", "deepseek_v3", "mlaconv"]}
+    base = hub_id(report)
+    if base:
+        meta = {"base_model": base, **meta}
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---"
+
+
+def _introduction(report: dict) -> str:
+    base = hub_id(report)
+    source = f"[{base}](https://huggingface.co/{base})" if base else f"`{report.get('source')}`"
+    revision = report.get("source_revision") or report.get("settings", {}).get("revision")
+    mode = report.get("mode", "weights-only")
+    calibration = report.get("calibration")
+    how = "weights only (no calibration data)" if mode == "weights-only" else mode
+    if calibration:
+        how += (f", on {calibration['tokens']:,} calibration tokens ({calibration['windows']} windows of "
+                f"{calibration['window']})")
+    return "\n".join([
+        f"# {Path(str(report.get('output', 'model'))).name}",
+        "",
+        f"This is {source}{f' (revision `{revision}`)' if revision else ''}, a {report.get('architecture', '')} model, "
+        f"converted by mlaconv {report.get('mlaconv_version', '')} from grouped-query / "
+        "multi-head attention to **Multi-head Latent Attention** in the native DeepSeek-V3 layout. It loads as "
+        "`DeepseekV3ForCausalLM` in stock transformers (≥ 4.53), vLLM and SGLang, with no custom code "
+        "and no `trust_remote_code`.",
+        "",
+        f"Conversion: {how}; no training afterwards. The KV cache holds one latent of rank "
+        f"r = {report['kv_lora_rank']} plus one shared RoPE key of R = {report['qk_rope_head_dim']} dims per "
+        "token and layer, instead of a key and a value per KV head. Every figure below is also in "
+        "`mlaconv.json` in this folder.",
+    ])
+
+
+def _kv_cache(report: dict) -> str:
+    elements, kv_bytes = report["kv_elements_per_token_per_layer"], report["kv_bytes_per_token"]
+    layers = len(report["energy_retained"]["per_layer"])
+    return "\n".join([
+        "## KV cache per token",
+        "",
+        "| | source | converted |",
+        "|---|---:|---:|",
+        f"| elements per layer | {elements['source']:,} | {elements['converted']:,} "
+        f"(r + R = {report['kv_lora_rank']} + {report['qk_rope_head_dim']}) |",
+        f"| bytes, all {layers} layers, {report['dtype']} | {kv_bytes['source']:,} | {kv_bytes['converted']:,} |",
+        "",
+        f"The converted cache is {report['kv_keep']:.1%} of the source's.",
+    ])
+
+
+def _settings(report: dict) -> str:
+    shape = {
+        "kv_lora_rank (r)": report["kv_lora_rank"],
+        "qk_rope_head_dim (R)": report["qk_rope_head_dim"],
+        "qk_nope_head_dim (P)": report.get("qk_nope_head_dim"),
+        "v_head_dim (V)": report.get("v_head_dim"),
+        "shape choice": report.get("shape_choice"),
+        "rope_theta of the shared key": report.get("rope_theta"),
+        "rope stride (source frequencies 0, s, 2s, … kept rotated)": report.get("rope_stride"),
+        "output dtype": report.get("dtype"),
+        "rms_norm_eps (source → converted)": (f"{_fmt(report.get('source_rms_norm_eps'))} → "
+                                               f"{_fmt(report.get('latent_norm', {}).get('eps'))}"),
+        "residual-stream scale": report.get("residual_scale"),
+        "tiny-latent bound max mean(c²)/ε": report.get("latent_norm", {}).get("max_bound"),
+    }
+    lines = ["## Settings", "", "| shape | value |", "|---|---|"]
+    lines += [f"| {name} | {_fmt(value)} |" for name, value in shape.items() if value is not None]
+    lines += ["", "| `mlaconv convert` option | value |", "|---|---|"]
+    lines += [f"| {name} | {_fmt(value)} |" for name, value in report.get("settings", {}).items()]
+    return "\n".join(lines)
+
+
+def _per_layer(report: dict) -> str:
+    columns = {
+        "latent energy retained": report["energy_retained"]["per_layer"],
+        "RoPE energy kept": report.get("rope_energy_kept"),
+        "key error": report.get("key_error"),
+        "value error": report.get("value_error"),
+    }
+    columns = {name: values for name, values in columns.items() if values}
+    lines = [
+        "## Approximation per layer",
+        "",
+        "*Latent energy retained*: share of the (balanced) energy of the non-rotated keys and the values "
+        "that the rank-r latent keeps. *RoPE energy kept*: share of the key energy that stays rotated in "
+        "the shared R-dim key. *Key / value error*: relative error of the keys and values through the latent. "
+        + ("All weighted by the calibration activations." if report.get("mode") == "calibrated"
+           else "Weights-only: the input is taken as isotropic after the input norm."),
+        "",
+        "| layer | " + " | ".join(columns) + " |",
+        "|---:|" + "---:|" * len(columns),
+    ]
+    for i, row in enumerate(zip(*columns.values())):
+        lines.append(f"| {i} | " + " | ".join(f"{value:.4f}" for value in row) + " |")
+    means = [sum(values) / len(values) for values in columns.values()]
+    lines.append("| **mean** | " + " | ".join(f"**{value:.4f}**" for value in means) + " |")
+    return "\n".join(lines)
+
+
+def _verification(check: dict | None) -> str:
+    if check is None:
+        return "## Verification\n\nThe built-in check was not run (`--no-verify`)."
+    if "skipped" in check:
+        return f"## Verification\n\nThe built-in check was skipped: {check['skipped']}."
+    where = f" on {check['windows']} window(s), {check['tokens']:,} tokens" if "tokens" in check else ""
+    dropped = check.get("biases_dropped")
+    header = ["", "converted"] + (["without attention biases (what vLLM / SGLang compute)"] if dropped else [])
+    lines = [
+        "## Verification",
+        "",
+        f"The converted folder was loaded through `AutoModelForCausalLM` (as `{check.get('loader', '?')}`) "
+        f"and compared with the source{where}, in {check.get('dtype', '?')}:",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|---|" + "---:|" * (len(header) - 1),
+    ]
+    rows = {"max \\|Δ logit\\|": "max_abs_logit_diff", "max relative Δ logit": "max_rel_logit_diff",
+            "KL(source ‖ converted) per token": "kl", "top-1 agreement": "top1"}
+    for label, key in rows.items():
+        if key in check:
+            values = [check[key]] + ([dropped.get(key)] if dropped else [])
+            lines.append(f"| {label} | " + " | ".join(_metric(key, v) for v in values) + " |")
+    return "\n".join(lines)
+
+
+def _evaluation(result) -> str:
+    if not result:
+        return ""
+    lines = ["## Evaluation", ""]
+    if not isinstance(result, dict):
+        return "\n".join(lines + [_fmt(result)])
+    runs = {"": result} if "ppl" in result else {name: run for name, run in result.items() if isinstance(run, dict)}
+    loose = {} if "ppl" in result else {k: v for k, v in result.items() if not isinstance(v, dict)}
+    for name, run in runs.items():
+        if name:
+            lines += [f"### {name}", ""]
+        lines += (_perplexity_run(run) if "ppl" in run else _table(run)) + [""]
+    if loose:
+        lines += _table(loose)
+    return "\n".join(lines).rstrip()
+
+
+def _perplexity_run(run: dict) -> list[str]:
+    """A report of ``mlaconv eval perplexity`` (baseline = the source) as a side-by-side table."""
+    scope = ", ".join(part for part in (
+        run.get("data"),
+        f"{run['windows']} windows of {run['window']} tokens" if "windows" in run and "window" in run else None,
+        f"{run['tokens']:,} scored predictions" if "tokens" in run else None,
+        run.get("dtype"),
+    ) if part)
+    lines = [f"Perplexity{f' ({scope})' if scope else ''}:", ""]
+    if run.get("baseline_ppl") is not None:
+        lines += ["| | source | converted |", "|---|---:|---:|",
+                  f"| perplexity | {_with_error(run['baseline_ppl'], run.get('baseline_ppl_stderr'))} | "
+                  f"{_with_error(run['ppl'], run.get('ppl_stderr'))} |"]
+        comparison = {"drift": "relative PPL drift", "kl_per_token": "KL(source ‖ converted) per token",
+                      "top1_agreement": "top-1 agreement"}
+        for key, label in comparison.items():
+            if run.get(key) is not None:
+                error = run.get(f"{key}_stderr")
+                value = f"{run[key]:+.2%}" if key == "drift" else _metric(key, run[key])
+                lines.append(f"| {label} | | {value}{f' ± {error:.2%}' if error is not None else ''} |")
+    else:
+        lines += [f"Perplexity {_with_error(run['ppl'], run.get('ppl_stderr'))}."]
+    notes = run.get("notes") or []
+    lines += [""] + [f"- {note}" for note in notes] if notes else []
+    return lines
+
+
+def _serving(report: dict) -> str:
+    serving = report.get("serving") or {}
+    lines = ["## Serving caveats", ""]
+    lines += [f"- {warning}" for warning in serving.get("warnings", [])] or ["- None: every stack computes the same model."]
+    stacks = {key: serving[key] for key in STACKS if key in serving}
+    if stacks:
+        lines += ["", "| stack | attention biases kept | rope_scaling reproduced exactly |", "|---|---|---|"]
+        lines += [f"| {STACKS[key]} | {_fmt(value.get('biases_kept'))} | {_fmt(value.get('rope_scaling_exact'))} |"
+                  for key, value in stacks.items()]
+    kernels = serving.get("kernels") or {}
+    if kernels:
+        lines += ["", f"MLA kernels these shapes fit (r = {report['kv_lora_rank']}, R = {report['qk_rope_head_dim']}, "
+                      f"P = {report.get('qk_nope_head_dim')}, V = {report.get('v_head_dim')}):", "",
+                  "| kernel | fits |", "|---|---|"]
+        lines += [f"| {KERNELS.get(name, name)} | {_fmt(fits)} |" for name, fits in kernels.items()]
+    return "\n".join(lines)
+
+
+def _usage(report: dict) -> str:
+    path = str(report.get("output", "PATH"))
+    fast = (report.get("serving") or {}).get("kernels", {}).get("flashmla", False)
+    vllm = f"vllm serve {path} --dtype bfloat16" + ("" if fast else " --attention-backend TRITON_MLA")
+    sglang = f"python -m sglang.launch_server --model-path {path} --dtype bfloat16" + (
+        "" if fast else " --attention-backend triton")
+    source = hub_id(report) or str(report.get("source"))
+    tokenizer = path if report.get("tokenizer_files") else source
+    return "\n".join([
+        "## How to use",
+        "",
+        "transformers ≥ 4.53 (5.x keeps the latent in its KV cache; 4.x caches the expanded keys and values):",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{path}", dtype="bfloat16")  # torch_dtype= before 4.56',
+        f'tokenizer = AutoTokenizer.from_pretrained("{tokenizer}")'
+        + ("" if tokenizer == path else "  # no tokenizer files were copied: the source's"),
+        "```",
+        "",
+        "Use bfloat16 or float32, never float16: the latent is kept tiny (so that DeepSeek's latent RMSNorm "
+        "acts linearly) and underflows in float16. Pass the dtype explicitly to the engines, whose `auto` "
+        "may pick float16 for a float32 checkpoint:",
+        "",
+        "```bash",
+        vllm + ("" if fast else "   # older vLLM: VLLM_ATTENTION_BACKEND=TRITON_MLA"),
+        sglang,
+        "```",
+        "",
+        "Evaluate it with lm-evaluation-harness, giving the source's tokenizer so that both models see the "
+        "same token ids:",
+        "",
+        "```bash",
+        f"lm_eval --model hf --model_args pretrained={path},tokenizer={source},"
+        "dtype=bfloat16 --tasks wikitext",
+        "```",
+    ])
+
+
+def _quality(report: dict) -> str:
+    measured = ["the per-layer approximation figures"]
+    check = report.get("verify")
+    if check and "skipped" not in check:
+        measured.append(f"the built-in check on {check.get('tokens', '?')} tokens")
+    if report.get("eval"):
+        measured.append("the evaluation above")
+    return "\n".join([
+        "## Quality",
+        "",
+        f"Quality was measured only by {', '.join(measured[:-1]) + ' and ' if len(measured) > 1 else ''}"
+        f"{measured[-1]}. No fine-tuning was done after the conversion, and mlaconv ran no downstream "
+        "benchmarks; measure the tasks you care about before relying on this model. The converted model has "
+        "not been run on vLLM or SGLang GPUs by mlaconv.",
+    ])
+
+
+def _table(values: dict) -> list[str]:
+    lines = ["| key | value |", "|---|---|"]
+    lines += [f"| {key} | {_fmt(value)} |" for key, value in values.items()]
+    return lines
+
+
+def _metric(key: str, value) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.2%}" if key in ("top1", "top1_agreement") else f"{value:.4g}"
+
+
+def _with_error(value: float, error: float | None) -> str:
+    return f"{value:.4f}" + (f" ± {error:.4f}" if error is not None else "")
+
+
+def _fmt(value) -> str:
+    """One table cell: numbers compact, None as a dash, containers as JSON; '|' escaped."""
+    if value is None:
+        text = "—"
+    elif isinstance(value, bool):
+        text = "yes" if value else "no"
+    elif isinstance(value, int):
+        text = f"{value:,}"
+    elif isinstance(value, float):
+        text = f"{value:.6g}"
+    elif isinstance(value, (list, dict)):
+        text = json.dumps(value, ensure_ascii=False) if value else "—"
+    else:
+        text = str(value)
+    return text.replace("|", "\\|").replace("\n", " ")

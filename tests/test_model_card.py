@@ -1,0 +1,84 @@
+"""The model card renders from a real conversion report and states its numbers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from mlaconv.convert import ConvertOptions, convert
+from mlaconv.model_card import render_model_card, write_model_card
+
+
+@pytest.fixture(scope="module")
+def report(stories, tmp_path_factory):
+    out = tmp_path_factory.mktemp("card") / "stories-mla"
+    return convert(str(stories), out, ConvertOptions(rank=24, verify=True, verify_windows=1, verify_window=16))
+
+
+def front_matter(card: str) -> dict:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def test_card_from_a_real_report(report, tmp_path):
+    write_model_card(tmp_path, report)
+    card = (tmp_path / "README.md").read_text()
+    meta = front_matter(card)
+    assert meta["library_name"] == "transformers" and meta["tags"] == ["mla", "deepseek_v3", "mlaconv"]
+    assert "base_model" not in meta  # a local folder has no hub id
+    assert f"mlaconv {report['mlaconv_version']}" in card and str(report["source"]) in card
+
+    kv, kv_bytes = report["kv_elements_per_token_per_layer"], report["kv_bytes_per_token"]
+    assert f"| elements per layer | {kv['source']} | {kv['converted']} (r + R = 24 + 8) |" in card
+    assert f"| {kv_bytes['source']:,} | {kv_bytes['converted']:,} |" in card
+    assert "50.0% of the source's" in card
+    for name, value in report["settings"].items():
+        assert f"| {name} |" in card, name
+
+    energy, rope_kept = report["energy_retained"]["per_layer"], report["rope_energy_kept"]
+    for i, (e, k) in enumerate(zip(energy, rope_kept)):
+        assert f"| {i} | {e:.4f} | {k:.4f} |" in card
+    assert f"| **mean** | **{report['energy_retained']['mean']:.4f}** | **{report['rope_energy_kept_mean']:.4f}** |" in card
+
+    check = report["verify"]
+    assert f"{check['kl']:.4g}" in card and f"{check['top1']:.2%}" in card and "16 tokens" in card
+    for warning in report["serving"]["warnings"]:
+        assert warning in card
+    assert "| Triton MLA (vLLM, SGLang; any GPU): generic | yes |" in card
+    assert "AutoModelForCausalLM.from_pretrained" in card and "trust_remote_code=True" not in card
+    assert "vllm serve" in card and "sglang.launch_server" in card and "--attention-backend TRITON_MLA" in card
+    assert "lm_eval --model hf" in card
+    assert "## Evaluation" not in card  # the report has none
+    assert "Quality was measured only by" in card
+
+
+def test_card_names_the_hub_model_and_renders_an_evaluation(report):
+    report = copy.deepcopy(report)
+    report["source"] = "/cache/hub/models--Qwen--Qwen2.5-0.5B/snapshots/0123abcd"
+    report["source_revision"] = "0123abcd"
+    report["eval"] = {"data": "dataset wikitext:wikitext-2-raw-v1:test", "window": 2048, "windows": 140,
+                      "tokens": 286580, "dtype": "bfloat16", "ppl": 8.41, "ppl_stderr": None,
+                      "baseline_ppl": 6.85, "drift": 0.2277, "kl_per_token": 0.125, "top1_agreement": 0.81,
+                      "notes": ["ran one after the other"]}
+    card = render_model_card(report)
+    assert front_matter(card)["base_model"] == "Qwen/Qwen2.5-0.5B"
+    assert "[Qwen/Qwen2.5-0.5B](https://huggingface.co/Qwen/Qwen2.5-0.5B) (revision `0123abcd`)" in card
+    assert "| perplexity | 6.8500 | 8.4100 |" in card and "+22.77%" in card and "81.00%" in card
+    assert "140 windows of 2048 tokens" in card and "- ran one after the other" in card
+    assert "tokenizer=Qwen/Qwen2.5-0.5B" in card
+
+
+@pytest.mark.parametrize("check, expected", [
+    (None, "was not run"),
+    ({"skipped": "both models need 30 GiB"}, "was skipped: both models need 30 GiB"),
+])
+def test_card_without_a_check(report, check, expected):
+    card = render_model_card({**report, "verify": check})
+    assert expected in card and "built-in check on" not in card
+
+
+def test_card_renders_an_evaluation_it_does_not_know(report):
+    card = render_model_card({**report, "eval": {"hellaswag": {"acc": 0.5, "acc_norm": 0.61}, "limit": 100}})
+    assert "### hellaswag" in card and "| acc_norm | 0.61 |" in card and "| limit | 100 |" in card

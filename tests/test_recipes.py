@@ -1,0 +1,164 @@
+"""Shipped recipes fit their models' published configs, and recipes that do not fit are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlaconv.arch import SourceSpec
+from mlaconv.convert import ConvertOptions, convert
+from mlaconv.errors import MlaconvError
+from mlaconv.recipes import check_recipe, kv_cache_figures, load_recipe, merge_options
+from mlaconv.serving import kernel_fit
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+CONFIGS = ROOT / "tests" / "data" / "configs"
+REQUIRED = {"llama-2-7b", "llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.3", "qwen2.5-0.5b",
+            "qwen2.5-1.5b", "qwen2.5-7b"}
+
+
+def spec_for(name: str) -> SourceSpec:
+    return SourceSpec.from_config(json.loads((CONFIGS / f"{name}.json").read_text()))
+
+
+def write(tmp_path: Path, text: str, name: str = "test.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def refusal(path: Path, spec: SourceSpec | None = None) -> str:
+    """The one-line message with which loading (and, given a spec, checking) the recipe fails."""
+    with pytest.raises(MlaconvError) as caught:
+        recipe = load_recipe(path)
+        if spec is not None:
+            check_recipe(recipe, spec)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_every_required_model_has_a_recipe_and_its_config():
+    names = {path.stem for path in RECIPES}
+    assert REQUIRED <= names
+    assert names == {path.stem for path in CONFIGS.glob("*.json")}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.stem)
+def test_shipped_recipe_fits_its_model_and_tells_the_truth(path):
+    recipe = load_recipe(path)
+    spec = spec_for(path.stem)
+    shapes = check_recipe(recipe, spec)
+    assert recipe.source and recipe.options["dtype"] == "bfloat16"
+    assert recipe.kv_cache == kv_cache_figures(spec, shapes, torch.bfloat16)  # the whole block, all correct
+    assert recipe.options["calib_dataset"] == "wikitext:wikitext-2-raw-v1:train"
+    ConvertOptions(**recipe.options)  # every option is a ConvertOptions field
+    # The comments name the kernels serving.kernel_fit finds for these shapes.
+    fit = kernel_fit({"kv_lora_rank": shapes.rank, "qk_rope_head_dim": shapes.rope_dim,
+                      "qk_nope_head_dim": spec.head_dim, "v_head_dim": spec.head_dim})
+    assert ("fits FlashMLA" in path.read_text()) == fit["flashmla"]
+    assert shapes.rank + shapes.rope_dim < spec.kv_elements_per_token_per_layer  # a real compression
+    assert fit["flashmla"] or spec.kv_elements_per_token_per_layer <= 576  # prefer 512 + 64 where it compresses
+
+
+def test_configs_have_the_published_shapes():
+    one_b = spec_for("llama-3.2-1b")
+    assert (one_b.hidden_size, one_b.num_layers, one_b.num_heads, one_b.num_kv_heads, one_b.head_dim,
+            one_b.vocab_size, one_b.intermediate_size, one_b.rope_theta) == (2048, 16, 32, 8, 64, 128256, 8192, 5e5)
+    assert one_b.rope_scaling["rope_type"] == "llama3" and one_b.rope_scaling["factor"] == 32
+    assert one_b.tie_word_embeddings
+    qwen = spec_for("qwen2.5-0.5b")
+    assert (qwen.hidden_size, qwen.num_layers, qwen.num_heads, qwen.num_kv_heads, qwen.head_dim,
+            qwen.intermediate_size, qwen.vocab_size) == (896, 24, 14, 2, 64, 4864, 151936)
+    assert qwen.tie_word_embeddings and qwen.qkv_bias and qwen.rms_norm_eps == 1e-6
+    assert spec_for("llama-2-7b").num_kv_heads == 32 and spec_for("llama-2-7b").dtype == torch.float16
+    assert spec_for("qwen2.5-7b").vocab_size == 152064 and not spec_for("qwen2.5-7b").tie_word_embeddings
+
+
+def test_recipe_for_another_model_is_refused():
+    message = refusal(ROOT / "recipes" / "llama-3.1-8b.yaml", spec_for("qwen2.5-0.5b"))
+    assert message.startswith("recipe llama-3.1-8b.yaml does not fit this Qwen2 model")
+    assert "--rank 512 is larger than the matrix allows" in message
+
+
+def test_rope_dim_larger_than_head_dim_is_refused(tmp_path):
+    path = write(tmp_path, "rank: 64\nrope_dim: 128\n", "small.yaml")
+    assert "rope-dim 128 is larger than the source head_dim 64" in refusal(path, spec_for("qwen2.5-0.5b"))
+
+
+def test_rope_stride_that_does_not_fit_is_refused(tmp_path):
+    path = write(tmp_path, "rank: 512\nrope_dim: 64\nrope_stride: 3\n")
+    assert "rope_stride 3 does not fit 64 rope dims" in refusal(path, spec_for("llama-3.1-8b"))
+
+
+def test_float16_is_refused(tmp_path):
+    path = write(tmp_path, "rank: 512\ndtype: float16\n")
+    assert "float16 output is refused" in refusal(path, spec_for("llama-3.1-8b"))
+
+
+def test_kv_cache_block_that_lies_is_refused(tmp_path):
+    text = (ROOT / "recipes" / "llama-3.1-8b.yaml").read_text().replace("converted: 36864", "converted: 18432")
+    message = refusal(write(tmp_path, text, "liar.yaml"), spec_for("llama-3.1-8b"))
+    assert "kv_cache.bytes_per_token.converted says 18432, the shapes give 36864" in message
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("rank: 512\nrnak: 512\n", "unknown key 'rnak'"),
+    ("rank: 512\nkv_cache:\n  bytes: {source: 1}\n", "unknown key kv_cache.'bytes'"),
+    ("rank: 512\nkv_cache:\n  bytes_per_token: {before: 1}\n", "unknown key kv_cache.bytes_per_token.'before'"),
+    ("rank: '512'\n", "rank must be int, got '512'"),
+    ("rank: true\n", "rank must be int, got True"),
+    ("kv_keep: half\n", "kv_keep must be float or int"),
+    ("rank: 512\ncalib: notes.txt\n", "calib must be a list"),
+    ("rank: 512\nverify: 1\n", "verify must be bool"),
+    ("rank: 512\nkv_keep: 0.5\n", "must set exactly one of rank and kv_keep"),
+    ("rope_dim: 64\n", "must set exactly one of rank and kv_keep"),
+    ("- rank\n", "must be a mapping"),
+    ("rank: [512\n", "is not valid YAML"),
+    ("rank: 512\nsource: 7\n", "source must be a string"),
+])
+def test_malformed_recipes_are_refused_in_one_line(tmp_path, text, expected):
+    assert expected in refusal(write(tmp_path, text))
+
+
+def test_missing_recipe_is_refused(tmp_path):
+    assert "cannot read recipe nothing.yaml" in refusal(tmp_path / "nothing.yaml")
+
+
+def test_values_are_normalised(tmp_path):
+    (tmp_path / "data").mkdir()
+    recipe = load_recipe(write(tmp_path, "kv_keep: 1\nshard_size: 500MB\ncalib: [data/a.txt, /abs/b.txt]\n"))
+    assert recipe.options == {"kv_keep": 1.0, "shard_size": 500_000_000,
+                              "calib": [str(tmp_path / "data" / "a.txt"), "/abs/b.txt"]}
+    assert recipe.source is None and recipe.kv_cache is None
+
+
+def test_command_line_values_override_the_recipe():
+    recipe = {"rank": 512, "rope_dim": 64, "dtype": "bfloat16", "calib_dataset": "wikitext", "calib_tokens": 131072}
+    assert merge_options(recipe, {"rank": None, "dtype": None}) == recipe
+    assert merge_options(recipe, {"dtype": "float32", "calib_tokens": 8192}) == {**recipe, "dtype": "float32",
+                                                                                  "calib_tokens": 8192}
+    assert merge_options(recipe, {"kv_keep": 0.5}) == {"kv_keep": 0.5, "rope_dim": 64, "dtype": "bfloat16",
+                                                       "calib_dataset": "wikitext", "calib_tokens": 131072}
+    assert merge_options({"kv_keep": 0.5, "rope_dim": 32}, {"rank": 100}) == {"rank": 100, "rope_dim": 32}
+    assert merge_options(recipe, {"calib": ["mine.txt"]})["calib"] == ["mine.txt"]
+    assert "calib_dataset" not in merge_options(recipe, {"calib": ["mine.txt"]})
+    assert recipe == {"rank": 512, "rope_dim": 64, "dtype": "bfloat16", "calib_dataset": "wikitext",
+                      "calib_tokens": 131072}  # not modified in place
+
+
+def test_kv_cache_block_matches_what_convert_reports(stories, tmp_path):
+    """The recipe's figures and the conversion report use the same definitions."""
+    path = write(tmp_path, "rank: 24\nrope_dim: 8\ndtype: float32\nkv_cache:\n"
+                           "  elements_per_token_per_layer: {source: 64, converted: 32}\n"
+                           "  bytes_per_token: {source: 1280, converted: 640}\n", "stories.yaml")
+    recipe = load_recipe(path)
+    check_recipe(recipe, SourceSpec.from_config(json.loads((stories / "config.json").read_text())))
+    options = merge_options(recipe.options, {"verify": False, "rank": None})
+    report = convert(str(stories), tmp_path / "out", ConvertOptions(**options))
+    assert report["kv_elements_per_token_per_layer"] == recipe.kv_cache["elements_per_token_per_layer"]
+    assert report["kv_bytes_per_token"] == recipe.kv_cache["bytes_per_token"]

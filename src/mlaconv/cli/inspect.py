@@ -1,0 +1,148 @@
+"""``mlaconv inspect spectra SRC``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich import box
+from rich.table import Table
+
+from mlaconv.cli import inspect_app
+from mlaconv.cli._common import DEBUG_OPTION, JSON_OPTION, emit_json, handle_errors, report_console
+from mlaconv.errors import MlaconvError
+
+
+@inspect_app.command("spectra")
+def spectra(
+    src: str = typer.Argument(..., help="Source model: a local folder or a Hugging Face hub id (from the local cache)."),
+    rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="Shared RoPE key dims R, as in convert; default min(64, head_dim)."),
+    rope_stride: Optional[int] = typer.Option(None, "--rope-stride", help="Keep source frequencies 0, s, 2s, … (default: chosen from the weights, as in convert)."),
+    ranks: Optional[str] = typer.Option(None, "--ranks", help="Comma-separated latent ranks to report, e.g. 64,128,512 (default: powers of two and the full rank)."),
+    energy: str = typer.Option("0.9,0.95,0.99", "--energy", help="Comma-separated energy targets in (0, 1]: the rank each one needs is reported."),
+    kv_keep: Optional[float] = typer.Option(None, "--kv-keep", help="Recommend (R, r) for this fraction of the source KV cache, exactly as convert --kv-keep picks them."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the spectra and energy curves (needs the 'plot' extra)."),
+    csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write one CSV row per layer."),
+    allow_sliding_window: bool = typer.Option(False, "--allow-sliding-window", help="Inspect a sliding-window model as convert would treat it."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision when SRC is a hub id."),
+    json_out: bool = JSON_OPTION,
+    debug: bool = DEBUG_OPTION,
+) -> None:
+    """Per layer: how much of K/V the latent keeps at each rank, and how much RoPE energy the shared key keeps.
+
+    The spectrum is that of the exact matrix convert truncates (the balanced
+    [K_nope; V] in the input metric; weights-only), so `convert --rank r`
+    reports the same energy for the same settings. Weights are read one
+    layer at a time. --kv-keep adds its recommended rank to the ranks.
+
+    JSON keys (--json; "per rank" lists follow ranks, "per target" lists
+    follow energy_targets):
+      mlaconv_version, source, architecture, mode (weights-only|calibrated),
+      settings, num_layers, hidden_size, num_kv_heads, head_dim,
+      kv_elements_per_token_per_layer, qk_rope_head_dim (R), rope_stride,
+      matrix_rows (2·n_kv·d), full_rank, ranks, energy_targets, seconds;
+      layers (one object per layer):
+        layer; energy_retained (per rank); rank_for_energy and
+        rank_fraction_for_energy (per target; fraction of full_rank);
+        rope_energy_kept, rope_loss_weighted_kept;
+        rope_energy_kept_per_frequency (per source frequency);
+        rope_frequencies (the kept source frequencies);
+        singular_values (√ of the eigenvalues, descending, full_rank of
+        them), normalised_spectrum (σᵢ/σ₁), energy_curve (at ranks
+        1..full_rank);
+      summary:
+        energy_retained_mean, energy_retained_min (per rank);
+        rank_for_energy_mean, rank_for_energy_max,
+        rank_fraction_for_energy_mean (per target);
+        rope_energy_kept_mean, rope_energy_kept_min;
+      recommendation (null without --kv-keep):
+        kv_keep, kv_lora_rank, qk_rope_head_dim,
+        kv_elements_per_token_per_layer, kv_keep_actual, reason,
+        energy_retained (per layer), energy_retained_mean.
+    """
+    with handle_errors(debug):
+        from mlaconv.cli.convert import rich_progress
+        from mlaconv.spectra import SpectraOptions, check_output_file, spectra as run_spectra, write_csv
+
+        if plot is not None:
+            from mlaconv.plot import require_matplotlib
+
+            require_matplotlib()
+            check_output_file(plot, ".png", "--plot")
+        if csv_out is not None:
+            check_output_file(csv_out, ".csv", "--csv")
+        options = SpectraOptions(
+            ranks=_parse_list(ranks, int, "--ranks") if ranks is not None else None,
+            energy_targets=tuple(_parse_list(energy, float, "--energy")), kv_keep=kv_keep, rope_dim=rope_dim,
+            rope_stride=rope_stride, revision=revision, allow_sliding_window=allow_sliding_window,
+        )
+        with rich_progress() as track:
+            report = run_spectra(src, options, progress=track)
+        console = report_console(json_out)
+        render_report(report, console)
+        if plot is not None:
+            from mlaconv.plot import save_spectra_plot
+
+            save_spectra_plot(report, plot)
+            console.print(f"plot: {plot}", highlight=False)
+        if csv_out is not None:
+            write_csv(report, csv_out)
+            console.print(f"csv: {csv_out}", highlight=False)
+        if json_out:
+            emit_json(report)
+
+
+def _parse_list(text: str, kind: type, option: str) -> list:
+    try:
+        return [kind(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise MlaconvError(f"{option} takes comma-separated {kind.__name__} values, got {text!r}") from None
+
+
+def render_report(report: dict, console) -> None:
+    """The human-readable report: a header, one table row per layer, summary rows, the budget advice."""
+    full = report["full_rank"]
+    console.print(
+        f"[bold]spectra[/] of {report['source']} ({report['architecture']}, {report['num_layers']} layers, "
+        f"{report['mode']}): R = {report['qk_rope_head_dim']} rope dims (stride {report['rope_stride']}); "
+        f"latent matrix {report['matrix_rows']}×{report['hidden_size']}, full rank {full}", highlight=False
+    )
+    table = Table(title="energy retained at rank r, rank needed per energy target, RoPE energy kept",
+                  box=box.SIMPLE_HEAD, padding=0, show_edge=False)
+    table.add_column("layer", justify="right")
+    for r in report["ranks"]:
+        table.add_column(f"r={r}", justify="right")
+    for t in report["energy_targets"]:
+        table.add_column(f"r@{t * 100:g}%", justify="right")
+    table.add_column("RoPE", justify="right")
+    for layer in report["layers"]:
+        table.add_row(str(layer["layer"]), *(f"{e:.3f}" for e in layer["energy_retained"]),
+                      *(str(r) for r in layer["rank_for_energy"]), f"{layer['rope_energy_kept']:.3f}")
+    summary = report["summary"]
+    table.add_section()
+    table.add_row("mean", *(f"{e:.3f}" for e in summary["energy_retained_mean"]),
+                  *(f"{r:.1f}" for r in summary["rank_for_energy_mean"]), f"{summary['rope_energy_kept_mean']:.3f}")
+    table.add_row("worst", *(f"{e:.3f}" for e in summary["energy_retained_min"]),
+                  *(str(r) for r in summary["rank_for_energy_max"]), f"{summary['rope_energy_kept_min']:.3f}")
+    console.print(table)
+    shares = ", ".join(
+        f"{_span([layer['rank_fraction_for_energy'][j] for layer in report['layers']])} for {t * 100:g}%"
+        for j, t in enumerate(report["energy_targets"])
+    )
+    console.print(f"share of the {full} singular values that carries the energy (over layers): {shares}",
+                  highlight=False)
+    advice = report["recommendation"]
+    if advice is not None:
+        console.print(
+            f"--kv-keep {advice['kv_keep']:g}: r = {advice['kv_lora_rank']}, R = {advice['qk_rope_head_dim']} "
+            f"({advice['kv_elements_per_token_per_layer']} of {report['kv_elements_per_token_per_layer']} elements, "
+            f"{advice['kv_keep_actual']:.1%}); mean latent energy {advice['energy_retained_mean']:.4f}, "
+            f"mean RoPE energy kept {summary['rope_energy_kept_mean']:.4f}; {advice['reason']}", highlight=False
+        )
+
+
+def _span(fractions: list[float]) -> str:
+    """min–max of fractions, as percentages."""
+    low, high = f"{min(fractions):.0%}", f"{max(fractions):.0%}"
+    return low if low == high else f"{low[:-1]}–{high}"

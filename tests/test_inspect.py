@@ -1,0 +1,295 @@
+"""``mlaconv inspect spectra``: the spectra are convert's own, exact, and come out as table, JSON, CSV and PNG."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from mlaconv.cli import app
+from mlaconv.cli.inspect import spectra as spectra_command
+from mlaconv.convert import ConvertOptions, convert, layer_options, load_source, plan_shapes, read_attention
+from mlaconv.errors import MlaconvError
+from mlaconv.mla.attention import AttentionShape, LayerStats, convert_attention
+from mlaconv.plot import require_matplotlib, save_spectra_plot, spectra_figure
+from mlaconv.spectra import SpectraOptions, default_ranks, rank_for_energy, spectra, write_csv
+
+# The documented JSON: key → type; "per rank" / "per target" lists follow ``ranks`` / ``energy_targets``.
+TOP_KEYS = {
+    "mlaconv_version": str, "source": str, "architecture": str, "mode": str, "settings": dict, "num_layers": int,
+    "hidden_size": int, "num_kv_heads": int, "head_dim": int, "kv_elements_per_token_per_layer": int,
+    "qk_rope_head_dim": int, "rope_stride": int, "matrix_rows": int, "full_rank": int, "ranks": list,
+    "energy_targets": list, "layers": list, "summary": dict, "recommendation": (dict, type(None)), "seconds": float,
+}
+LAYER_KEYS = {
+    "layer": int, "energy_retained": "rank", "rank_for_energy": "target", "rank_fraction_for_energy": "target",
+    "rope_energy_kept": float, "rope_energy_kept_per_frequency": "frequency", "rope_loss_weighted_kept": float,
+    "rope_frequencies": "slot", "singular_values": "full", "normalised_spectrum": "full", "energy_curve": "full",
+}
+SUMMARY_KEYS = {
+    "energy_retained_mean": "rank", "energy_retained_min": "rank", "rank_for_energy_mean": "target",
+    "rank_for_energy_max": "target", "rank_fraction_for_energy_mean": "target", "rope_energy_kept_mean": float,
+    "rope_energy_kept_min": float,
+}
+RECOMMENDATION_KEYS = {
+    "kv_keep": float, "kv_lora_rank": int, "qk_rope_head_dim": int, "kv_elements_per_token_per_layer": int,
+    "kv_keep_actual": float, "reason": str, "energy_retained": "layer", "energy_retained_mean": float,
+}
+
+
+def check_schema(report: dict) -> None:
+    """Raise AssertionError unless ``report`` has exactly the documented keys, types and list lengths."""
+    lengths = {"rank": len(report["ranks"]), "target": len(report["energy_targets"]), "full": report["full_rank"],
+               "frequency": report["head_dim"] // 2, "slot": report["qk_rope_head_dim"] // 2,
+               "layer": report["num_layers"]}
+
+    def check(obj: dict, keys: dict, where: str) -> None:
+        assert set(obj) == set(keys), f"{where}: {sorted(set(obj) ^ set(keys))}"
+        for key, kind in keys.items():
+            if isinstance(kind, str):
+                assert isinstance(obj[key], list) and len(obj[key]) == lengths[kind], f"{where}.{key}"
+                assert all(isinstance(v, (int, float)) for v in obj[key]), f"{where}.{key}"
+            else:
+                assert isinstance(obj[key], kind), f"{where}.{key}: {type(obj[key]).__name__}"
+
+    check(report, TOP_KEYS, "report")
+    assert len(report["layers"]) == report["num_layers"]
+    for layer in report["layers"]:
+        check(layer, LAYER_KEYS, f"layers[{layer['layer']}]")
+    check(report["summary"], SUMMARY_KEYS, "summary")
+    if report["recommendation"] is not None:
+        check(report["recommendation"], RECOMMENDATION_KEYS, "recommendation")
+
+
+def run_convert(src, out, **options):
+    return convert(str(src), out, ConvertOptions(verify=False, **options))
+
+
+def test_mqa_spectrum_is_the_svd_of_the_balanced_values(tiny_model):
+    """MQA with R = d keeps every key rotated, so the latent matrix is V·diag(γ), balanced to unit norm."""
+    src = tiny_model(kv_heads=1, head_dim=16, layers=2)
+    report = spectra(str(src), SpectraOptions(rope_dim=16, energy_targets=(0.5, 0.9, 0.99, 1.0)))
+    weights = load_file(src / "model.safetensors")
+    assert report["full_rank"] == 16 and report["ranks"] == [1, 2, 4, 8, 16]
+    for layer in report["layers"]:
+        prefix = f"model.layers.{layer['layer']}."
+        matrix = weights[prefix + "self_attn.v_proj.weight"].double() * weights[prefix + "input_layernorm.weight"].double()
+        singular = torch.linalg.svdvals(matrix)
+        energy = (singular**2).cumsum(0) / (singular**2).sum()
+        # The balancing weight 1/‖V·diag(γ)‖ reaches the matrix rounded to float32 (latent_target), hence 1e-7.
+        torch.testing.assert_close(torch.tensor(layer["singular_values"], dtype=torch.float64), singular / matrix.norm(),
+                                   rtol=1e-7, atol=0)
+        torch.testing.assert_close(torch.tensor(layer["normalised_spectrum"], dtype=torch.float64), singular / singular[0], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(torch.tensor(layer["energy_curve"], dtype=torch.float64), energy, rtol=1e-10, atol=1e-12)
+        assert layer["energy_retained"] == pytest.approx([energy[r - 1].item() for r in report["ranks"]], abs=1e-12)
+        expected = [int((energy < t - 1e-12).sum()) + 1 for t in report["energy_targets"]]
+        assert layer["rank_for_energy"] == expected and expected[-1] == 16
+        assert layer["rope_energy_kept"] == pytest.approx(1.0)
+
+
+def test_energy_is_monotone_and_complete_at_full_rank(stories):
+    report = spectra(str(stories), SpectraOptions(ranks=list(range(1, 57))))
+    assert report["full_rank"] == 56
+    for layer in report["layers"]:
+        energy = layer["energy_retained"]
+        assert all(a <= b for a, b in zip(energy, energy[1:]))
+        assert energy[-1] == pytest.approx(1.0, abs=1e-12)
+        assert energy == pytest.approx(layer["energy_curve"], abs=1e-15)
+        spectrum = layer["normalised_spectrum"]
+        assert spectrum[0] == 1.0 and all(a >= b for a, b in zip(spectrum, spectrum[1:]))
+        assert layer["rank_fraction_for_energy"] == [r / 56 for r in layer["rank_for_energy"]]
+
+
+def test_rank_for_energy_and_default_ranks():
+    curve = torch.tensor([0.5, 0.8, 0.95, 1.0 - 1e-16], dtype=torch.float64)
+    assert [rank_for_energy(curve, t) for t in (0.1, 0.5, 0.81, 0.95, 1.0)] == [1, 1, 3, 3, 4]
+    assert default_ranks(56) == [1, 2, 4, 8, 16, 32, 56]
+    assert default_ranks(1984) == [32, 64, 128, 256, 512, 1024, 1984]
+    assert default_ranks(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert default_ranks(1) == [1]
+
+
+@pytest.mark.parametrize("model", ["tiny-gqa", "stories"])
+def test_inspect_reports_what_convert_reports(model, tiny_model, stories, tmp_path):
+    if model == "stories":
+        src, options = stories, {}
+    else:  # two candidate strides, so the model-wide stride choice is exercised too
+        src, options = tiny_model(kv_heads=2, head_dim=16, layers=3, seed=3), {"rope_dim": 8}
+    converted = run_convert(src, tmp_path / "out", rank=24, **options)
+    report = spectra(str(src), SpectraOptions(ranks=[24], **options))
+    check_schema(report)
+    assert report["rope_stride"] == converted["rope_stride"]
+    assert report["qk_rope_head_dim"] == converted["qk_rope_head_dim"]
+    energy = [layer["energy_retained"][0] for layer in report["layers"]]
+    assert energy == pytest.approx(converted["energy_retained"]["per_layer"], abs=1e-12, rel=0)
+    assert [layer["rope_energy_kept"] for layer in report["layers"]] == pytest.approx(converted["rope_energy_kept"],
+                                                                                    abs=1e-12, rel=0)
+    for layer, per_frequency in zip(report["layers"], converted["rope_energy_kept_per_frequency"]):
+        assert layer["rope_energy_kept_per_frequency"] == pytest.approx(per_frequency, abs=1e-12, rel=0)
+
+
+def test_kv_keep_recommends_what_convert_picks(tiny_model, tmp_path):
+    """A small budget makes convert shrink R below its default; inspect must analyse that same R."""
+    src = tiny_model(kv_heads=2, head_dim=16)
+    converted = run_convert(src, tmp_path / "out", kv_keep=0.25)
+    report = spectra(str(src), SpectraOptions(kv_keep=0.25, ranks=[2, 4]))
+    check_schema(report)
+    advice = report["recommendation"]
+    assert (advice["kv_lora_rank"], advice["qk_rope_head_dim"]) == (converted["kv_lora_rank"], converted["qk_rope_head_dim"])
+    assert advice["qk_rope_head_dim"] == report["qk_rope_head_dim"] == 8 < 16  # not the default min(64, d)
+    assert advice["kv_lora_rank"] in report["ranks"]
+    assert advice["energy_retained"] == pytest.approx(converted["energy_retained"]["per_layer"], abs=1e-12, rel=0)
+    assert advice["kv_keep_actual"] == pytest.approx(converted["kv_keep"])
+
+
+def test_calibration_hook_is_applied_as_in_convert(tiny_model):
+    """The stats a hook returns reach the analysis as convert hands them to ``convert_attention``."""
+    src = tiny_model(kv_heads=2, head_dim=16, hidden=32, heads=2)
+    gen = torch.Generator().manual_seed(7)
+    mixes = [torch.randn(32, 32, generator=gen, dtype=torch.float64) for _ in range(2)]
+    calls = []
+
+    def stats_for_layer(i, attention):
+        calls.append(i)
+        x = mixes[i] * attention.input_norm.double()
+        return LayerStats(metric=x.T @ x / 32)
+
+    calibrated = spectra(str(src), SpectraOptions(ranks=[12], rope_dim=8), stats_for_layer=stats_for_layer)
+    plain = spectra(str(src), SpectraOptions(ranks=[12], rope_dim=8))
+    assert calls == [0, 1] and calibrated["mode"] == "calibrated" and plain["mode"] == "weights-only"
+
+    _, spec, reader = load_source(str(src))
+    shapes = plan_shapes(spec, 12, None, 8)
+    lopts = layer_options(spec, shapes, ConvertOptions(rope_stride=calibrated["rope_stride"]), 1.0)
+    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    expected = []
+    for i in range(2):
+        attention = read_attention(reader, spec, i)
+        expected.append(convert_attention(attention, shape, lopts, stats_for_layer(i, attention))[1].energy_retained)
+    energy = [layer["energy_retained"][0] for layer in calibrated["layers"]]
+    assert energy == pytest.approx(expected, abs=1e-12, rel=0)
+    assert energy != pytest.approx([layer["energy_retained"][0] for layer in plain["layers"]], abs=1e-3)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"ranks": [0]}, "outside 1..56"),
+    ({"ranks": [57]}, "outside 1..56"),
+    ({"ranks": []}, "at least one rank"),
+    ({"energy_targets": (0.0,)}, r"in \(0, 1\]"),
+    ({"energy_targets": (1.5,)}, r"in \(0, 1\]"),
+    ({"rope_dim": 3}, "even number"),
+    ({"rope_dim": 16}, "larger than the source head_dim"),
+    ({"kv_keep": 0.0}, "--kv-keep must be in"),
+    ({"rope_stride": 2}, "does not fit"),
+])
+def test_bad_settings_are_refused(stories, options, message):
+    with pytest.raises(MlaconvError, match=message):
+        spectra(str(stories), SpectraOptions(**options))
+
+
+@pytest.fixture(scope="module")
+def stories_report(stories):
+    return spectra(str(stories), SpectraOptions(kv_keep=0.5))
+
+
+def test_json_has_the_documented_keys(stories_report):
+    check_schema(json.loads(json.dumps(stories_report)))
+    documented = spectra_command.__doc__
+    for key in [*TOP_KEYS, *LAYER_KEYS, *SUMMARY_KEYS, *RECOMMENDATION_KEYS]:
+        assert key in documented, f"{key} is not documented in the command's help"
+    with pytest.raises(AssertionError):  # the schema check can fail
+        check_schema({**stories_report, "summary": {**stories_report["summary"], "rope_energy_kept_min": None}})
+
+
+def test_plot_draws_one_curve_per_layer_and_writes_a_png(stories_report, tmp_path):
+    figure = spectra_figure(stories_report)
+    panels = [ax for ax in figure.axes if ax.lines]
+    assert len(panels) == 2
+    for ax in panels:
+        assert [line.get_label() for line in ax.lines] == [f"layer {i}" for i in range(5)]
+        assert all(len(line.get_xdata()) == 56 for line in ax.lines)
+    path = tmp_path / "spectra.png"
+    save_spectra_plot(stories_report, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.verify()
+        assert image.size[0] > 800
+
+
+def test_plot_of_many_layers_uses_a_colour_bar(tiny_model):
+    report = spectra(str(tiny_model(layers=12, hidden=32, kv_heads=1, heads=2)), SpectraOptions(rope_dim=8))
+    figure = spectra_figure(report)
+    panels = [ax for ax in figure.axes if ax.lines]
+    assert [len(ax.lines) for ax in panels] == [12, 12]
+    assert all(ax.get_legend() is None for ax in panels)
+    assert any(ax.get_label() == "<colorbar>" for ax in figure.axes)
+
+
+def test_missing_matplotlib_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(MlaconvError, match=r"pip install 'mlaconv\[plot\]'"):
+        require_matplotlib()
+
+
+def test_csv_has_one_row_per_layer(stories_report, tmp_path):
+    path = tmp_path / "spectra.csv"
+    write_csv(stories_report, path)
+    rows = list(csv.reader(path.open()))
+    assert len(rows) == 1 + 5
+    header = rows[0]
+    assert header[0] == "layer" and "energy_at_rank_24" in header and "rank_for_energy_0.95" in header
+    column = header.index("energy_at_rank_24")
+    assert [float(row[column]) for row in rows[1:]] == stories_report["recommendation"]["energy_retained"]
+
+
+runner = CliRunner()
+
+
+def test_cli_json_table_csv_and_plot(stories, tmp_path):
+    result = runner.invoke(app, ["inspect", "spectra", str(stories), "--ranks", "24,8", "--kv-keep", "0.5", "--json",
+                                 "--csv", str(tmp_path / "s.csv"), "--plot", str(tmp_path / "s.png")])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    check_schema(report)
+    assert report["ranks"] == [8, 24] and report["energy_targets"] == [0.9, 0.95, 0.99]
+    assert "r@95%" in result.stderr and "worst" in result.stderr and "--kv-keep 0.5: r = 24, R = 8" in result.stderr
+    assert (tmp_path / "s.csv").is_file() and (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_without_json_prints_the_table_on_stdout(stories):
+    result = runner.invoke(app, ["inspect", "spectra", str(stories), "--energy", "0.95"])
+    assert result.exit_code == 0, result.stderr
+    assert "r=56" in result.stdout and "r@95%" in result.stdout and "full rank 56" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{missing}"], "no such folder"),
+    (["{unsupported}"], "cannot convert model_type 'gpt2'"),
+    (["{stories}", "--ranks", "0"], "outside 1..56"),
+    (["{stories}", "--ranks", "64"], "outside 1..56"),
+    (["{stories}", "--ranks", "8,x"], "comma-separated int"),
+    (["{stories}", "--energy", "0"], r"in (0, 1]"),
+    (["{stories}", "--energy", "1.2"], r"in (0, 1]"),
+    (["{stories}", "--rope-dim", "5"], "even number"),
+    (["{stories}", "--kv-keep", "2"], "--kv-keep must be in"),
+    (["{stories}", "--plot", "{tmp}/missing/s.png"], "does not exist"),
+    (["{stories}", "--plot", "{tmp}/s.jpg"], "must end in .png"),
+    (["{stories}", "--csv", "{tmp}/missing/s.csv"], "does not exist"),
+])
+def test_cli_bad_input_is_one_line_and_non_zero(args, message, stories, tmp_path):
+    unsupported = tmp_path / "gpt2"
+    unsupported.mkdir()
+    (unsupported / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    names = {"missing": tmp_path / "nope", "unsupported": unsupported, "stories": stories, "tmp": tmp_path}
+    result = runner.invoke(app, ["inspect", "spectra", *(a.format(**names) for a in args), "--json"])
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr

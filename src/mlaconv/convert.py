@@ -259,9 +259,9 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
                                       window=options.verify_window, check_bias_drop=attention_bias)
         else:
             report["verify"] = None
-        report["seconds"] = round(time.perf_counter() - started, 3)
         report.update(options.extra_report)
         (tmp / "mlaconv.json").write_text(json.dumps(report, indent=2) + "\n")
+    report["seconds"] = round(time.perf_counter() - started, 3)
     return report
 
 
@@ -317,7 +317,7 @@ def _report(spec: SourceSpec, shapes: Shapes, config: dict, reports: list[LayerR
         "output": str(out),
         "source": str(source),
         "source_revision": source.name if source.parent.name == "snapshots" else None,
-        "settings": {k: v for k, v in asdict(options).items() if k != "extra_report"},
+        "settings": {k: v for k, v in asdict(options).items() if k not in ("extra_report", "force")},
         "architecture": spec.family.label,
         "mode": "weights-only",
         "dtype": str(dtype).replace("torch.", ""),

@@ -1,0 +1,156 @@
+"""Calibration: the streamed source forward, exact energy bookkeeping, memory, determinism, quality."""
+
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlaconv.arch import SourceSpec
+from mlaconv.calibrate import CalibrationOptions, SourceStreamer, load_calibration_tokens
+from mlaconv.convert import ConvertOptions, convert, read_attention
+from mlaconv.io import CheckpointReader, read_config
+from mlaconv.mla import latent
+from mlaconv.mla.attention import AttentionShape, LayerOptions, analyse_layer, convert_attention
+from mlaconv.models import load_causal_lm
+from mlaconv.reference import rms_norm
+
+
+def write_tokens(path: Path, tokens: torch.Tensor) -> Path:
+    path.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in tokens.tolist()))
+    return path
+
+
+def random_tokens(rows: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def open_source(folder: Path):
+    spec = SourceSpec.from_config(read_config(folder))
+    return spec, CheckpointReader(folder)
+
+
+def test_streamed_source_forward_matches_transformers(tiny_model):
+    src = tiny_model(family="qwen2", kv_heads=2, head_dim=16, eps=1e-5)
+    spec, reader = open_source(src)
+    tokens = random_tokens(3, 20, spec.vocab_size, seed=2)
+    streamer = SourceStreamer(reader, spec, CalibrationOptions(tokens, batch_size=2))
+    for i in range(spec.num_layers):
+        attention = read_attention(reader, spec, i)
+        streamer.stats(i, attention)
+        streamer.advance(i, attention)
+    final = rms_norm(streamer.hidden, reader.get(spec.names.final_norm), spec.rms_norm_eps)
+    ours = final.double() @ reader.get(spec.names.lm_head).double().T
+    with torch.no_grad():
+        theirs = load_causal_lm(src)(tokens).logits.double()
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-4 * theirs.abs().max().item())
+
+
+def test_energy_retained_equals_measured_calibration_error(tiny_model):
+    """With Σ = E[x xᵀ] of the calibration inputs, 1 − energy is exactly the relative K/V output error."""
+    src = tiny_model(kv_heads=2, head_dim=16, hidden=64)
+    spec, reader = open_source(src)
+    tokens = random_tokens(4, 32, spec.vocab_size, seed=3)
+    streamer = SourceStreamer(reader, spec, CalibrationOptions(tokens))
+    attention = read_attention(reader, spec, 0)
+    stats = streamer.stats(0, attention)
+    x = rms_norm(streamer.hidden, attention.input_norm, spec.rms_norm_eps).flatten(0, 1).double()  # [T, H]
+    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    for rank in (4, 12, 30):
+        options = LayerOptions(rank=rank, rope_dim=8, rope_theta=spec.rope_theta, rope_stride=1)
+        layer = analyse_layer(attention, shape, options, stats)
+        factors = latent.factor(layer.target, layer.row_weight, stats.metric, rank, layer.spectrum)
+        weighted = layer.row_weight[:, None] * layer.target
+        outputs = x @ weighted.T  # the calibration K/V outputs, balanced
+        approx = x @ (layer.row_weight[:, None] * (factors.up @ factors.down)).T
+        measured = ((outputs - approx) ** 2).sum() / (outputs**2).sum()
+        assert factors.energy == pytest.approx(1 - measured.item(), abs=1e-6)
+        _, report = convert_attention(attention, shape, options, stats)
+        assert report.energy_retained == pytest.approx(factors.energy, abs=1e-12)
+
+
+def test_calibrated_conversion_never_worse_than_weights_only(stories, tmp_path):
+    """Same budget, held-out samples of the model itself: calibration lowers KL to the source."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(stories)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        ids = torch.ones(24, 1, dtype=torch.long)
+        for _ in range(95):
+            probs = model(ids).logits[:, -1].softmax(-1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    calib, held_out = ids[:16], ids[16:]
+    write_tokens(tmp_path / "calib.jsonl", calib)
+    with torch.no_grad():
+        reference = model(held_out).logits.log_softmax(-1)
+
+    def kl(folder):
+        with torch.no_grad():
+            logq = load_causal_lm(folder)(held_out).logits.log_softmax(-1)
+        return (reference.exp() * (reference - logq)).sum(-1).mean().item()
+
+    for rank in (16, 40):
+        weights = convert(str(stories), tmp_path / f"w{rank}", ConvertOptions(rank=rank, verify=False))
+        calibrated = convert(str(stories), tmp_path / f"c{rank}",
+                             ConvertOptions(rank=rank, verify=False, calib=[str(tmp_path / "calib.jsonl")],
+                                            calib_window=96))
+        assert calibrated["mode"] == "calibrated" and weights["mode"] == "weights-only"
+        assert kl(tmp_path / f"c{rank}") < kl(tmp_path / f"w{rank}")
+
+
+def test_calibration_holds_one_layer_at_a_time(tiny_model, tmp_path, monkeypatch):
+    """Every weight matrix read from the source is gone before a matrix of another layer is read."""
+    src = tiny_model(kv_heads=2, head_dim=16, layers=4)
+    write_tokens(tmp_path / "calib.jsonl", random_tokens(4, 24, 96, seed=4))
+    alive: list[tuple[int, weakref.ref]] = []
+    original_get = CheckpointReader.get
+
+    def tracking_get(self, name):
+        tensor = original_get(self, name)
+        if name.startswith("model.layers.") and tensor.dim() == 2:
+            layer = int(name.split(".")[2])
+            gc.collect()
+            others = [i for i, ref in alive if ref() is not None and i != layer]
+            assert not others, f"reading layer {layer} while layer {others[0]} is still in memory"
+            alive.append((layer, weakref.ref(tensor)))
+        return tensor
+
+    monkeypatch.setattr(CheckpointReader, "get", tracking_get)
+    convert(str(src), tmp_path / "out", ConvertOptions(rank=24, verify=False, shard_size=1,
+                                                       calib=[str(tmp_path / "calib.jsonl")], calib_window=24))
+    assert {i for i, _ in alive} == set(range(4))
+
+
+def test_same_inputs_give_byte_identical_output(tiny_model, tmp_path):
+    src = tiny_model(kv_heads=2, head_dim=16)
+    write_tokens(tmp_path / "calib.jsonl", random_tokens(4, 24, 96, seed=5))
+    options = dict(rank=20, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=24)
+    convert(str(src), tmp_path / "out", ConvertOptions(**options))
+    first = {p.name: p.read_bytes() for p in sorted((tmp_path / "out").iterdir())}
+    convert(str(src), tmp_path / "out", ConvertOptions(force=True, **options))
+    second = {p.name: p.read_bytes() for p in sorted((tmp_path / "out").iterdir())}
+    assert first.keys() == second.keys()
+    assert all(first[name] == second[name] for name in first)
+
+
+def test_calibration_tokens_from_text_and_bad_input(tiny_model, tmp_path):
+    from mlaconv.errors import MlaconvError
+
+    src = tiny_model()
+    spec = SourceSpec.from_config(read_config(src))
+    with pytest.raises(MlaconvError, match="not found"):
+        load_calibration_tokens(src, spec, [str(tmp_path / "missing.txt")], None, 1000, 32)
+    (tmp_path / "short.jsonl").write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    with pytest.raises(MlaconvError, match="shorter than one window"):
+        load_calibration_tokens(src, spec, [str(tmp_path / "short.jsonl")], None, 1000, 32)
+    (tmp_path / "text.txt").write_text("some words " * 50)
+    with pytest.raises(MlaconvError, match="no tokenizer"):
+        load_calibration_tokens(src, spec, [str(tmp_path / "text.txt")], None, 1000, 32)
+    write_tokens(tmp_path / "ok.jsonl", random_tokens(3, 70, 96, seed=6))
+    windows = load_calibration_tokens(src, spec, [str(tmp_path / "ok.jsonl")], None, 64, 32)
+    assert windows.shape == (2, 32)

@@ -1,0 +1,81 @@
+"""``mlaconv eval perplexity MODEL [--baseline SRC]``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from mlaconv.cli import eval_app
+from mlaconv.cli._common import DEBUG_OPTION, JSON_OPTION, emit_json, handle_errors, report_console
+from mlaconv.cli.convert import rich_progress
+
+
+@eval_app.command("perplexity")
+def perplexity(
+    model: str = typer.Argument(..., help="Model to measure: a local folder or a hub id from the local cache."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", "-b", help="Source model to compare with, on the same token ids."),
+    text: Optional[Path] = typer.Option(None, "--text", help="A UTF-8 text file, tokenized once as one stream."),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="NAME[:CONFIG[:SPLIT]] via `datasets` (local cache offline); "
+                                                                   "`wikitext` = WikiText-2 raw test, joined with blank lines."),
+    tokens: Optional[Path] = typer.Option(None, "--tokens", help="Pre-tokenized JSON lines {\"input_ids\": [...]}; each line is "
+                                                                 "its own sequence, one window if shorter than --window."),
+    window: Optional[int] = typer.Option(None, "--window", help="Tokens per window (default 2048, or the models' context if shorter)."),
+    max_windows: Optional[int] = typer.Option(None, "--max-windows", help="Score only the first N windows."),
+    batch_size: int = typer.Option(1, "--batch-size", help="Windows per forward pass."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (both models)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu (default), cuda, cuda:1, mps …"),
+    device_map: Optional[str] = typer.Option(None, "--device-map", help="`auto` spreads each model over this machine's GPUs (accelerate)."),
+    json_out: bool = JSON_OPTION,
+    debug: bool = DEBUG_OPTION,
+) -> None:
+    """Perplexity as the papers measure it, side by side with the source: drift, KL, top-1 agreement, KV cache."""
+    with handle_errors(debug):
+        from mlaconv.evaluate import TokenSource, evaluate_perplexity
+
+        source = TokenSource(text=text, dataset=dataset, tokens=tokens)
+        with rich_progress() as track:
+            report = evaluate_perplexity(model, baseline, source=source, window=window, max_windows=max_windows,
+                                         batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
+                                         progress=track)
+        render_report(report, report_console(json_out))
+        if json_out:
+            emit_json(report)
+
+
+def render_report(report: dict, console) -> None:
+    """The evaluation report as a table (one column per model) and a comparison line."""
+    windows, predictions = report["windows"], report["tokens"]
+    lengths = (f"× {predictions // windows + 1} tokens" if predictions % windows == 0
+               else f"of at most {report['window']} tokens")
+    console.print(
+        f"{report['data']}: {windows} windows {lengths}, {predictions} predictions scored "
+        f"({report['dropped_tokens']} tokens dropped), {report['dtype']} on {report['device']}", highlight=False
+    )
+    console.print(f"tokenizer: {report['tokenizer'] or 'none (pre-tokenized ids)'}", highlight=False)
+    roles = ["baseline", "model"] if report["baseline"] else ["model"]
+    prefixes = {"baseline": "baseline_", "model": ""}
+    table = Table(title="perplexity")
+    table.add_column("")
+    for role in roles:
+        table.add_column(f"{role}\n{report[role]}", justify="right")
+    table.add_row("perplexity", *(_with_error(report[f"{prefixes[r]}ppl"], report[f"{prefixes[r]}ppl_stderr"], "{:.4f}")
+                                  for r in roles))
+    table.add_row("mean NLL", *(f"{report[f'{prefixes[r]}nll']:.5f}" for r in roles))
+    table.add_row("KV cache elements / token", *(f"{report['kv_elements_per_token'][r]:,}" for r in roles))
+    table.add_row("KV cache bytes / token", *(f"{report['kv_bytes_per_token'][r]:,}" for r in roles))
+    console.print(table)
+    if report["baseline"]:
+        console.print(f"drift {_with_error(report['drift'], report['drift_stderr'], '{:+.2%}')} in perplexity "
+                      f"with {report['kv_kept']:.1%} of the KV cache", highlight=False)
+        if report["kl_per_token"] is not None:
+            console.print(f"KL(baseline ‖ model) {report['kl_per_token']:.4g} per token, "
+                          f"top-1 agreement {report['top1_agreement']:.2%}", highlight=False)
+    for note in report["notes"]:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+
+
+def _with_error(value: float, stderr: float | None, fmt: str) -> str:
+    return fmt.format(value) if stderr is None else f"{fmt.format(value)} ± {fmt.format(stderr).lstrip('+')}"

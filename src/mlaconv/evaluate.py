@@ -1,0 +1,476 @@
+"""Perplexity the way the KV-compression papers measure it, side by side with the source model.
+
+Protocol (the GPTQ lineage: Palu, ASVD, SVD-LLM, ReCalKV): tokenize the whole text once, cut the id
+stream into non-overlapping windows of ``window`` tokens, drop the remainder, score each window's
+``window − 1`` next-token predictions (no BOS is added per window), and report
+PPL = exp(mean loss over all scored predictions).
+
+Pre-tokenized JSON lines (``{"input_ids": [...]}``) are separate sequences: windows never cross a
+line. A line at least ``window`` long is cut like a text stream (remainder dropped); a shorter line
+is one window of its own length, so sequences sampled at a fixed length are scored whole.
+
+With a baseline, both models see the very same ids (tokenized with the baseline's tokenizer when it
+has one: a converted folder may resolve to another tokenizer class) and the report adds the relative
+drift, KL(baseline ‖ model) and top-1 agreement per scored token, and standard errors over windows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
+
+import torch
+
+from mlaconv.errors import MlaconvError
+from mlaconv.io import read_config, resolve_source
+from mlaconv.models import (available_memory_bytes, kv_cache_bytes_per_token, kv_cache_elements, load_causal_lm,
+                            load_tokenizer, parameter_bytes)
+
+T = TypeVar("T")
+Progress = Callable[[Iterable[T], str, int], Iterator[T]]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_WINDOW = 2048
+WIKITEXT = ("wikitext", "wikitext-2-raw-v1", "test")
+DEFAULT_SPLIT = "test"
+# Rows × vocab of logits turned into float32 log-probabilities at once (64 MiB per model).
+LOGIT_CHUNK_ELEMENTS = 2**24
+# Share of the free memory both models and their logits may take before they run one after the other.
+MEMORY_HEADROOM = 0.9
+
+
+def _no_progress(items: Iterable[T], description: str, total: int) -> Iterator[T]:  # noqa: ARG001
+    yield from items
+
+
+@dataclass(frozen=True)
+class TokenSource:
+    """Where the evaluation ids come from: exactly one of a text file, a dataset, or JSON lines of ids.
+
+    ``dataset`` is ``NAME[:CONFIG[:SPLIT]]`` for ``datasets.load_dataset`` (split ``test`` by default);
+    plain ``wikitext`` means WikiText-2 raw, test split.
+    """
+
+    text: Path | None = None
+    dataset: str | None = None
+    tokens: Path | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("text", "dataset", "tokens") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise MlaconvError("give exactly one of --text FILE, --dataset NAME or --tokens FILE.jsonl"
+                               + (f" (got {', '.join('--' + name for name in given)})" if given else ""))
+
+    def describe(self) -> str:
+        if self.dataset is not None:
+            name, config, split = _parse_dataset(self.dataset)
+            return f"dataset {name}{':' + config if config else ''}, split {split}"
+        return f"text {self.text}" if self.text is not None else f"token ids {self.tokens}"
+
+
+@dataclass
+class EvalTokens:
+    """Token ids to evaluate on: one sequence per text stream or per JSON line (each [length] int64)."""
+
+    sequences: list[torch.Tensor]
+    source: str
+    tokenizer: str | None  # "Class from folder", or None for pre-tokenized ids
+    short_sequences_are_windows: bool  # pre-tokenized lines shorter than the window are scored whole
+
+
+@dataclass
+class WindowScores:
+    """Per-window sums over each window's scored next-token predictions; every tensor is [windows] float64."""
+
+    predictions: torch.Tensor
+    nll: torch.Tensor
+    baseline_nll: torch.Tensor | None = None
+    kl: torch.Tensor | None = None  # KL(baseline ‖ model)
+    top1_agreements: torch.Tensor | None = None
+
+
+@dataclass
+class _Models:
+    """The folders evaluated and their parsed configs, by role ("model", "baseline")."""
+
+    model: Path
+    baseline: Path | None
+    configs: dict[str, dict]
+
+    def folders(self) -> dict[str, Path]:
+        return {"model": self.model} | ({"baseline": self.baseline} if self.baseline else {})
+
+
+def load_eval_tokens(source: TokenSource, tokenizer_folders: Sequence[Path]) -> EvalTokens:
+    """Read ``source`` into ids; text is tokenized once with the first folder's tokenizer that exists.
+
+    Text goes through ``tokenizer(text)`` with its default special tokens, as GPTQ's loader does (for
+    Llama that is one BOS at the start of the stream, none per window).
+    """
+    if source.tokens is not None:
+        return EvalTokens(_read_token_lines(source.tokens), source.describe(), None, short_sequences_are_windows=True)
+    text = _read_text(source.text) if source.text is not None else _load_dataset_text(source.dataset)
+    if not text.strip():
+        raise MlaconvError(f"{source.describe()} is empty: there is nothing to evaluate on")
+    for folder in tokenizer_folders:
+        tokenizer = load_tokenizer(folder)
+        if tokenizer is not None:
+            ids = tokenizer(text, verbose=False)["input_ids"]
+            return EvalTokens([torch.tensor(ids, dtype=torch.long)], source.describe(),
+                              f"{type(tokenizer).__name__} from {folder}", short_sequences_are_windows=False)
+    names = " nor ".join(str(folder) for folder in tokenizer_folders)
+    raise MlaconvError(f"{names} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json) to turn text into "
+                       "ids; evaluate on pre-tokenized ids instead (--tokens FILE.jsonl)")
+
+
+def cut_windows(sequences: Sequence[torch.Tensor], window: int, keep_short: bool = False) -> list[torch.Tensor]:
+    """Non-overlapping windows, in order: ``len // window`` full windows per sequence, remainder dropped;
+    with ``keep_short``, a sequence shorter than ``window`` (but at least 2 tokens) is one window of its own.
+
+    sequences: each [length] int64. Returns views, each [window] (or [length] for a short sequence).
+    """
+    windows: list[torch.Tensor] = []
+    for ids in sequences:
+        if len(ids) >= window:
+            windows.extend(ids[: len(ids) // window * window].split(window))
+        elif keep_short and len(ids) >= 2:
+            windows.append(ids)
+    return windows
+
+
+def score_windows(model, windows: Sequence[torch.Tensor], batch_size: int = 1, baseline=None,
+                  progress: Progress = _no_progress, description: str = "scoring windows") -> WindowScores:
+    """Run ``model`` (and ``baseline`` on the same batch) over ``windows``; keep only per-window sums.
+
+    Consecutive windows of equal length are batched up to ``batch_size``; only the current batch's
+    logits ([batch, length, vocab] per model) are held. Log-probabilities are taken in float32 over
+    row chunks and summed in float64.
+    """
+    n = len(windows)
+    scores = WindowScores(predictions=torch.zeros(n, dtype=torch.float64), nll=torch.zeros(n, dtype=torch.float64))
+    if baseline is not None:
+        scores.baseline_nll, scores.kl, scores.top1_agreements = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
+    batches = list(_batches(windows, batch_size))
+    with torch.inference_mode():
+        for first, ids in progress(batches, description, len(batches)):
+            logits = model(ids.to(model.device), use_cache=False).logits
+            baseline_logits = None if baseline is None else baseline(ids.to(baseline.device), use_cache=False).logits
+            for row in range(ids.shape[0]):
+                sums = _prediction_sums(logits[row], ids[row], None if baseline_logits is None else baseline_logits[row])
+                index = first + row
+                scores.predictions[index] = ids.shape[1] - 1
+                scores.nll[index] = sums["nll"]
+                if baseline is not None:
+                    scores.baseline_nll[index] = sums["baseline_nll"]
+                    scores.kl[index] = sums["kl"]
+                    scores.top1_agreements[index] = sums["top1_agreements"]
+            del logits, baseline_logits
+    return scores
+
+
+def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *, source: TokenSource,
+                        window: int | None = None, max_windows: int | None = None, batch_size: int = 1,
+                        dtype: str = "float32", device: str | None = None, device_map: str | None = None,
+                        progress: Progress = _no_progress) -> dict:
+    """WikiText-style perplexity of ``model`` (and ``baseline`` on the same windows); a JSON-able report.
+
+    ``window`` defaults to 2048 or the shortest context of the models if that is less. Both models are
+    loaded together when they fit in the memory of ``device`` (or of all GPUs with ``device_map``);
+    otherwise they run one after the other and KL / top-1 agreement are reported as None with a note.
+
+    Report keys: ``model``, ``baseline`` (None without one), ``data``, ``tokenizer`` ("Class from folder",
+    None for pre-tokenized ids), ``window`` (the setting), ``windows``, ``tokens`` (next-token predictions
+    scored), ``stream_tokens``, ``dropped_tokens`` (remainders cut off), ``dtype``, ``device``, ``ppl``,
+    ``nll`` (mean loss, nats) and their standard errors over windows ``ppl_stderr``, ``nll_stderr`` (None
+    with one window);
+    with a baseline also ``baseline_ppl``, ``baseline_ppl_stderr``, ``baseline_nll``,
+    ``baseline_nll_stderr``, ``drift`` (ppl / baseline_ppl − 1), ``nll_diff`` (mean NLL difference,
+    model − baseline), ``nll_diff_stderr`` and ``drift_stderr`` (paired, over windows), ``kl_per_token``
+    (KL(baseline ‖ model), nats), ``top1_agreement``, ``kv_kept``; always ``kv_elements_per_token`` and
+    ``kv_bytes_per_token`` (over all layers, at ``dtype``; ``{"model": …, "baseline": …}``), ``notes``,
+    ``seconds``.
+    """
+    started = time.perf_counter()
+    torch_dtype = _parse_options(window, max_windows, batch_size, dtype, device, device_map)
+    folders = _resolve_models(model, baseline)
+    context = _shortest_context(folders)
+    window = window if window is not None else min(DEFAULT_WINDOW, context or DEFAULT_WINDOW)
+    if context and window > context:
+        raise MlaconvError(f"--window {window} is longer than the models' context ({context} tokens)")
+
+    tokenizer_folders = [folders.baseline, folders.model] if folders.baseline else [folders.model]
+    tokens = load_eval_tokens(source, tokenizer_folders)
+    stream_tokens = sum(len(ids) for ids in tokens.sequences)
+    windows = cut_windows(tokens.sequences, window, keep_short=tokens.short_sequences_are_windows)
+    windowed_tokens = sum(len(ids) for ids in windows)
+    if not windows:
+        raise MlaconvError(f"{tokens.source} has {stream_tokens} tokens, not one full window of {window}; "
+                           "pass a longer text or a smaller --window")
+    windows = windows[:max_windows]
+    _check_vocabulary(windows, folders)
+
+    notes: list[str] = []
+    placement = {"device": device, "device_map": device_map}
+    if folders.baseline is None:
+        scores = score_windows(load_causal_lm(folders.model, torch_dtype, **placement), windows, batch_size,
+                               progress=progress)
+    else:
+        scores, note = _score_pair(folders, windows, batch_size, torch_dtype, placement, progress)
+        if note:
+            notes.append(note)
+
+    report = {
+        "model": str(folders.model),
+        "baseline": str(folders.baseline) if folders.baseline else None,
+        "data": tokens.source,
+        "tokenizer": tokens.tokenizer,
+        "window": window,
+        "windows": len(windows),
+        "tokens": int(scores.predictions.sum().item()),
+        "stream_tokens": stream_tokens,
+        "dropped_tokens": stream_tokens - windowed_tokens,
+        "dtype": dtype,
+        "device": f"device_map={device_map}" if device_map else device or "cpu",
+        **_perplexity(scores.nll, scores.predictions, prefix=""),
+    }
+    if scores.baseline_nll is not None:
+        report |= _perplexity(scores.baseline_nll, scores.predictions, prefix="baseline_")
+        report |= _comparison(scores)
+    report |= _kv_cache(folders, torch_dtype)
+    report["notes"] = notes
+    report["seconds"] = round(time.perf_counter() - started, 2)
+    return report
+
+
+def _score_pair(folders: _Models, windows: list[torch.Tensor], batch_size: int, dtype: torch.dtype,
+                placement: dict, progress: Progress) -> tuple[WindowScores, str | None]:
+    """Both models on the same batches when they fit together; else one after the other, PPL only."""
+    longest = max(len(ids) for ids in windows)
+    vocab = max(int(config["vocab_size"]) for config in folders.configs.values())
+    logits_bytes = 2 * batch_size * longest * vocab * 4  # both models' logits of one batch, float32 at most
+    need = parameter_bytes(folders.model, dtype) + parameter_bytes(folders.baseline, dtype) + logits_bytes
+    have = _free_memory(placement["device"], placement["device_map"])
+    if need <= MEMORY_HEADROOM * have:
+        model = load_causal_lm(folders.model, dtype, **placement)
+        baseline = load_causal_lm(folders.baseline, dtype, **placement)
+        return score_windows(model, windows, batch_size, baseline=baseline, progress=progress), None
+
+    baseline = load_causal_lm(folders.baseline, dtype, **placement)
+    baseline_scores = score_windows(baseline, windows, batch_size, progress=progress, description="scoring baseline")
+    del baseline
+    model = load_causal_lm(folders.model, dtype, **placement)
+    scores = score_windows(model, windows, batch_size, progress=progress, description="scoring model")
+    scores.baseline_nll = baseline_scores.nll
+    note = (f"KL divergence and top-1 agreement need both models' logits at once: both models need "
+            f"{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB is free, so they ran one after the other "
+            "(perplexities only); use a bigger machine or --device-map auto over several GPUs")
+    return scores, note
+
+
+def _prediction_sums(logits: torch.Tensor, ids: torch.Tensor, baseline_logits: torch.Tensor | None) -> dict[str, float]:
+    """Sums over one window's next-token predictions: NLL of each model, KL(baseline ‖ model), top-1 matches.
+
+    logits, baseline_logits: [length, vocab] (any float dtype, any device); ids: [length] int64.
+    Position t predicts ids[t + 1], so the last position is not scored.
+    """
+    logits, labels = logits[:-1], ids[1:].to(logits.device)
+    baseline_logits = None if baseline_logits is None else baseline_logits[:-1]
+    rows = max(1, LOGIT_CHUNK_ELEMENTS // logits.shape[-1])
+    sums = {key: torch.zeros((), dtype=torch.float64, device=logits.device)
+            for key in ("nll", "baseline_nll", "kl", "top1_agreements")}
+    for start in range(0, len(labels), rows):
+        chunk = slice(start, start + rows)
+        logp = torch.log_softmax(logits[chunk].float(), -1)  # [rows, vocab]
+        target = labels[chunk, None]  # [rows, 1]
+        sums["nll"] -= logp.gather(-1, target).double().sum()
+        if baseline_logits is not None:
+            base_logp = torch.log_softmax(baseline_logits[chunk].to(logits.device).float(), -1)
+            sums["baseline_nll"] -= base_logp.gather(-1, target).double().sum()
+            sums["kl"] += (base_logp.exp() * (base_logp - logp)).sum(-1).double().sum()
+            sums["top1_agreements"] += (base_logp.argmax(-1) == logp.argmax(-1)).double().sum()
+    return {key: value.item() for key, value in sums.items()}
+
+
+def _batches(windows: Sequence[torch.Tensor], batch_size: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(index of the first window, [batch, length] ids) for runs of consecutive equal-length windows."""
+    first = 0
+    while first < len(windows):
+        length = len(windows[first])
+        end = first + 1
+        while end < len(windows) and end - first < batch_size and len(windows[end]) == length:
+            end += 1
+        yield first, torch.stack(list(windows[first:end]))
+        first = end
+
+
+def _perplexity(nll: torch.Tensor, predictions: torch.Tensor, prefix: str) -> dict:
+    """PPL from per-window NLL sums; the standard error is over windows, carried to PPL by the delta method."""
+    mean = (nll.sum() / predictions.sum()).item()
+    stderr = _ratio_stderr(nll, predictions)
+    return {f"{prefix}ppl": math.exp(mean), f"{prefix}ppl_stderr": None if stderr is None else math.exp(mean) * stderr,
+            f"{prefix}nll": mean, f"{prefix}nll_stderr": stderr}
+
+
+def _comparison(scores: WindowScores) -> dict:
+    """Drift = ppl / baseline_ppl − 1 = exp(mean NLL difference) − 1, with the paired standard error over windows."""
+    difference = scores.nll - scores.baseline_nll
+    total = scores.predictions.sum()
+    mean_difference = (difference.sum() / total).item()
+    stderr = _ratio_stderr(difference, scores.predictions)
+    drift = math.expm1(mean_difference)
+    measured_together = scores.kl is not None
+    return {
+        "drift": drift,
+        "drift_stderr": None if stderr is None else (1 + drift) * stderr,
+        "nll_diff": mean_difference,
+        "nll_diff_stderr": stderr,
+        "kl_per_token": (scores.kl.sum() / total).item() if measured_together else None,
+        "top1_agreement": (scores.top1_agreements.sum() / total).item() if measured_together else None,
+    }
+
+
+def _ratio_stderr(sums: torch.Tensor, counts: torch.Tensor) -> float | None:
+    """Standard error of sum(sums) / sum(counts) over windows (windows are the independent units).
+
+    sums, counts: [windows]. For equal counts this is the sample standard deviation of the per-window
+    means over √windows; None with a single window.
+    """
+    windows = len(sums)
+    if windows < 2:
+        return None
+    mean = sums.sum() / counts.sum()
+    residual = sums - mean * counts
+    return (torch.sqrt(residual.square().sum() * windows / (windows - 1)) / counts.sum()).item()
+
+
+def _kv_cache(folders: _Models, dtype: torch.dtype) -> dict:
+    """KV-cache elements and bytes per token over all layers (MLA: r + R; GQA: 2·n_kv·d; per layer)."""
+    elements = {role: kv_cache_elements(folders.configs[role]) * int(folders.configs[role]["num_hidden_layers"])
+                for role in folders.folders()}
+    kv_bytes = {role: kv_cache_bytes_per_token(folder, dtype) for role, folder in folders.folders().items()}
+    report = {"kv_elements_per_token": elements, "kv_bytes_per_token": kv_bytes}
+    if folders.baseline:
+        report["kv_kept"] = elements["model"] / elements["baseline"]
+    return report
+
+
+def _parse_options(window: int | None, max_windows: int | None, batch_size: int, dtype: str, device: str | None,
+                   device_map: str | None) -> torch.dtype:
+    if window is not None and window < 2:
+        raise MlaconvError(f"--window must be at least 2 tokens (one prediction), not {window}")
+    if max_windows is not None and max_windows < 1:
+        raise MlaconvError(f"--max-windows must be at least 1, not {max_windows}")
+    if batch_size < 1:
+        raise MlaconvError(f"--batch-size must be at least 1, not {batch_size}")
+    if dtype not in DTYPES:
+        raise MlaconvError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if device and device_map:
+        raise MlaconvError("give --device or --device-map, not both")
+    if device:
+        try:
+            kind = torch.device(device).type
+        except RuntimeError:
+            raise MlaconvError(f"unknown --device {device!r} (try cpu, cuda, cuda:1, mps)") from None
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise MlaconvError(f"--device {device}: torch sees no CUDA device here")
+    return DTYPES[dtype]
+
+
+def _resolve_models(model: str | Path, baseline: str | Path | None) -> _Models:
+    model_folder = resolve_source(str(model))
+    baseline_folder = resolve_source(str(baseline)) if baseline else None
+    configs = {"model": read_config(model_folder)} | ({"baseline": read_config(baseline_folder)} if baseline else {})
+    folders = _Models(model_folder, baseline_folder, configs)
+    if baseline:
+        vocab = {role: int(config["vocab_size"]) for role, config in folders.configs.items()}
+        if vocab["model"] != vocab["baseline"]:
+            raise MlaconvError(f"the model's vocabulary ({vocab['model']}) differs from the baseline's "
+                               f"({vocab['baseline']}): they cannot be compared token by token")
+    return folders
+
+
+def _shortest_context(folders: _Models) -> int | None:
+    contexts = [int(c["max_position_embeddings"]) for c in folders.configs.values() if c.get("max_position_embeddings")]
+    return min(contexts) if contexts else None
+
+
+def _check_vocabulary(windows: Sequence[torch.Tensor], folders: _Models) -> None:
+    vocab = min(int(config["vocab_size"]) for config in folders.configs.values())
+    highest = max(int(ids.max()) for ids in windows)
+    if highest >= vocab:
+        raise MlaconvError(f"token id {highest} is outside the vocabulary of {vocab} ids: "
+                           "the ids do not come from this model's tokenizer")
+
+
+def _free_memory(device: str | None, device_map: str | None) -> int:
+    """Bytes free where the models will live: one GPU, all GPUs for a device map, else host RAM."""
+    if torch.cuda.is_available():
+        if device_map:
+            return sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+        if device and torch.device(device).type == "cuda":
+            return torch.cuda.mem_get_info(torch.device(device))[0]
+    return available_memory_bytes()
+
+
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        raise MlaconvError(f"no such text file: {path}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise MlaconvError(f"{path} is not UTF-8 text: {exc}") from None
+
+
+def _read_token_lines(path: Path) -> list[torch.Tensor]:
+    """One [length] int64 tensor per non-blank ``{"input_ids": [...]}`` line."""
+    if not path.is_file():
+        raise MlaconvError(f"no such token file: {path}")
+    sequences = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                ids = json.loads(line)["input_ids"]
+                if not all(isinstance(i, int) and i >= 0 for i in ids):
+                    raise ValueError
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise MlaconvError(f"{path} line {number}: expected {{\"input_ids\": [non-negative integers]}}") from None
+            sequences.append(torch.tensor(ids, dtype=torch.long))
+    if not any(len(ids) for ids in sequences):
+        raise MlaconvError(f"{path} holds no token ids: there is nothing to evaluate on")
+    return sequences
+
+
+def _parse_dataset(spec: str) -> tuple[str, str | None, str]:
+    """``NAME[:CONFIG[:SPLIT]]`` → (name, config, split); plain ``wikitext`` is WikiText-2 raw, test split."""
+    if spec == WIKITEXT[0]:
+        return WIKITEXT
+    name, config, split = (spec.split(":") + [None, None])[:3]
+    if not name or spec.count(":") > 2:
+        raise MlaconvError(f"--dataset {spec!r}: expected NAME[:CONFIG[:SPLIT]], e.g. wikitext:wikitext-2-raw-v1:test")
+    return name, config or None, split or DEFAULT_SPLIT
+
+
+def _load_dataset_text(spec: str) -> str:
+    """The dataset's ``text`` column joined with blank lines, as the GPTQ protocol does for WikiText-2."""
+    name, config, split = _parse_dataset(spec)
+    try:
+        import datasets
+    except ImportError:
+        raise MlaconvError("--dataset needs the `datasets` library: pip install 'mlaconv[datasets]'") from None
+    datasets.disable_progress_bars()
+    try:
+        data = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:  # datasets raises many types; offline, "not cached" is the usual one
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise MlaconvError(f"cannot load dataset {name} (config {config}, split {split}): {reason} "
+                           "(without network, set HF_HUB_OFFLINE=1 and have it in the local Hugging Face datasets "
+                           "cache, or pass --text FILE)") from None
+    if "text" not in data.column_names:
+        raise MlaconvError(f"dataset {name} has no 'text' column (columns: {', '.join(data.column_names)})")
+    return "\n\n".join(data["text"])

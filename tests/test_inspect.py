@@ -165,7 +165,7 @@ def test_calibration_hook_is_applied_as_in_convert(tiny_model):
 
     _, spec, reader = load_source(str(src))
     shapes = plan_shapes(spec, 12, None, 8)
-    lopts = layer_options(spec, shapes, ConvertOptions(rope_stride=calibrated["rope_stride"]), 1.0)
+    lopts = layer_options(spec, shapes, ConvertOptions(rope_stride=calibrated["rope_stride"]))
     shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     expected = []
     for i in range(2):
@@ -293,3 +293,18 @@ def test_cli_bad_input_is_one_line_and_non_zero(args, message, stories, tmp_path
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+
+
+def test_calibrated_inspect_agrees_with_calibrated_convert(stories, tmp_path):
+    """--calib streams the source in both commands: the same energies per layer."""
+    import json
+
+    tokens = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(3))
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in tokens.tolist()))
+    converted = convert(str(stories), tmp_path / "out", ConvertOptions(rank=24, verify=False, calib=[str(calib)],
+                                                                       calib_window=64))
+    report = spectra(str(stories), SpectraOptions(ranks=[24], calib=[str(calib)], calib_window=64))
+    assert report["mode"] == converted["mode"] == "calibrated"
+    energy = [layer["energy_retained"][0] for layer in report["layers"]]
+    assert energy == pytest.approx(converted["energy_retained"]["per_layer"], abs=1e-12, rel=0)

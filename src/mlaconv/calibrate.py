@@ -9,7 +9,6 @@ that matrix, so this is all the data it needs.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +16,9 @@ import torch
 
 from mlaconv.arch import SourceSpec
 from mlaconv.errors import MlaconvError
+from mlaconv.evaluate import load_dataset_text, read_text, read_token_lines
 from mlaconv.io import CheckpointReader
+from mlaconv.models import load_tokenizer
 from mlaconv.mla.attention import LayerStats, MLAAttention, SourceAttention
 from mlaconv.mla.rope import scaled_frequencies
 from mlaconv.reference import (Heads, MLPWeights, attention_by_distance, mlp_block, rms_norm, rope_angles,
@@ -28,12 +29,11 @@ def load_calibration_tokens(source: Path, spec: SourceSpec, files: list[str], da
                             tokens: int, window: int, seed: int = 0) -> torch.Tensor:
     """[B, S] calibration windows: text (tokenized once with the source tokenizer) or token-id files.
 
-    Text files and a Hugging Face dataset are joined with blank lines and tokenized once; ``.jsonl``
-    files hold ``{"input_ids": [...]}`` lines. Non-overlapping windows of ``window`` tokens are cut,
-    and ``tokens // window`` of them (at least one) are drawn with a fixed seed.
+    Text files and a Hugging Face dataset (``NAME[:CONFIG[:SPLIT]]``, train split by default) are
+    joined with blank lines and tokenized once; ``.jsonl`` files hold ``{"input_ids": [...]}`` lines.
+    Non-overlapping windows of ``window`` tokens are cut, and ``tokens // window`` of them (at least
+    one) are drawn with a fixed seed.
     """
-    from mlaconv.models import load_tokenizer
-
     window = min(window, spec.max_position_embeddings)
     if window < 2:
         raise MlaconvError(f"--calib-window must be at least 2, got {window}")
@@ -43,55 +43,25 @@ def load_calibration_tokens(source: Path, spec: SourceSpec, files: list[str], da
         if not path.is_file():
             raise MlaconvError(f"calibration file not found: {name}")
         if path.suffix == ".jsonl":
-            sequences.extend(_token_lines(path))
+            sequences.extend(read_token_lines(path))
         else:
-            texts.append(path.read_text(encoding="utf-8", errors="replace"))
+            texts.append(read_text(path))
     if dataset:
-        texts.append(_dataset_text(dataset))
+        texts.append(load_dataset_text(dataset, default_split="train"))
     if texts:
         tokenizer = load_tokenizer(source)
         if tokenizer is None:
             raise MlaconvError(f"{source} has no tokenizer: give calibration as token ids (--calib FILE.jsonl)")
-        sequences.append(tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"])
+        sequences.append(torch.tensor(tokenizer("\n\n".join(texts), verbose=False)["input_ids"], dtype=torch.long))
     windows = [seq[k : k + window] for seq in sequences for k in range(0, len(seq) - window + 1, window)]
     if not windows:
         raise MlaconvError(f"the calibration data is shorter than one window of {window} tokens")
     count = max(1, min(len(windows), tokens // window))
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))[:count].sort().values
-    ids = torch.tensor([windows[k] for k in order.tolist()], dtype=torch.long)
-    if ids.max() >= spec.vocab_size or ids.min() < 0:
+    ids = torch.stack([windows[k] for k in order.tolist()])
+    if ids.max() >= spec.vocab_size:
         raise MlaconvError(f"calibration token ids fall outside the vocabulary (size {spec.vocab_size})")
     return ids
-
-
-def _token_lines(path: Path) -> list[list[int]]:
-    sequences = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            ids = json.loads(line)["input_ids"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise MlaconvError(f"{path.name} line {number} is not a JSON object with input_ids") from None
-        sequences.append([int(t) for t in ids])
-    return sequences
-
-
-def _dataset_text(spec: str) -> str:
-    """A Hugging Face dataset NAME[:CONFIG[:SPLIT]] joined into one text (local cache when offline)."""
-    try:
-        import datasets
-    except ImportError:
-        raise MlaconvError("--calib-dataset needs the datasets package: pip install 'mlaconv[datasets]'") from None
-    name, config, split = (spec.split(":") + [None, None])[:3]
-    if name == "wikitext" and config is None:
-        config = "wikitext-2-raw-v1"
-    try:
-        data = datasets.load_dataset(name, config, split=split or "train")
-    except Exception as exc:  # datasets raises many types when offline or misnamed
-        raise MlaconvError(f"cannot load dataset {spec!r}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-    column = "text" if "text" in data.column_names else data.column_names[0]
-    return "\n\n".join(str(t) for t in data[column])
 
 
 @dataclass

@@ -12,24 +12,25 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
+import transformers
 
 from mlaconv import __version__, deepseek
 from mlaconv.arch import SourceSpec
 from mlaconv.calibrate import CalibrationOptions, SourceStreamer, load_calibration_tokens
 from mlaconv.errors import MlaconvError
+from mlaconv.evaluate import TokenSource, evaluate_perplexity
 from mlaconv.io import (CheckpointReader, ShardedWriter, atomic_output_dir, check_free_space, check_output_target,
                         read_config, resolve_source)
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
+from mlaconv.model_card import write_model_card
+from mlaconv.progress import Progress, no_progress
 from mlaconv.mla import rope
 from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, SourceAttention,
                                    convert_attention, full_rank, rope_stride_scores)
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, LATENT_NORM_EPS
 
-T = TypeVar("T")
-Progress = Callable[[Iterable[T], str, int], Iterator[T]]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = (
@@ -37,10 +38,6 @@ TOKENIZER_FILES = (
     "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
 )
 DEFAULT_ROPE_DIM = 64
-
-
-def _no_progress(items: Iterable[T], description: str, total: int) -> Iterator[T]:  # noqa: ARG001
-    yield from items
 
 
 @dataclass
@@ -66,7 +63,18 @@ class ConvertOptions:
     calib_window: int = 2048
     calib_batch_size: int = 4
     device: str = "cpu"
+    recipe: str | None = None
+    eval_text: str | None = None
+    eval_dataset: str | None = None
+    eval_tokens: str | None = None
+    eval_window: int | None = None
+    eval_max_windows: int | None = None
+    eval_batch_size: int = 1
     extra_report: dict = field(default_factory=dict)
+
+    @property
+    def evaluated(self) -> bool:
+        return any((self.eval_text, self.eval_dataset, self.eval_tokens))
 
     @property
     def calibrated(self) -> bool:
@@ -122,7 +130,7 @@ def plan_shapes(spec: SourceSpec, rank: int | None, kv_keep: float | None, rope_
     return Shapes(rank=rank, rope_dim=R, reason="rank given")
 
 
-def _out_dtype(spec: SourceSpec, requested: str | None) -> torch.dtype:
+def output_dtype(spec: SourceSpec, requested: str | None) -> torch.dtype:
     if requested is not None and requested not in DTYPES:
         raise MlaconvError(f"--dtype must be one of {', '.join(DTYPES)}, got {requested!r}")
     dtype = DTYPES[requested] if requested else spec.dtype
@@ -168,37 +176,79 @@ def read_attention(reader: CheckpointReader, spec: SourceSpec, i: int) -> Source
     )
 
 
-def layer_options(spec: SourceSpec, shapes: Shapes, options: ConvertOptions, residual_scale: float) -> LayerOptions:
+def residual_scale(spec: SourceSpec) -> float:
+    """α = √(1e-6/ε_src): rescales the residual stream so that rms_norm_eps can be DeepSeek's 1e-6 exactly."""
+    return math.sqrt(LATENT_NORM_EPS / spec.rms_norm_eps)
+
+
+def layer_options(spec: SourceSpec, shapes: Shapes, options: ConvertOptions) -> LayerOptions:
     return LayerOptions(
         rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling,
         rope_stride=options.rope_stride, context=min(spec.max_position_embeddings, 8192),
         query_weighted_rope=options.query_weighted_rope, kv_balance=options.kv_balance,
-        residual_scale=residual_scale, delta=options.delta,
+        residual_scale=residual_scale(spec), delta=options.delta,
     )
 
 
-def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = _no_progress) -> dict:
+@dataclass
+class Plan:
+    """A validated conversion: the opened source, the chosen shapes and the per-layer options."""
+
+    folder: Path
+    spec: SourceSpec
+    reader: CheckpointReader
+    shapes: Shapes
+    layer: LayerOptions
+
+    @property
+    def shape(self) -> AttentionShape:
+        s = self.spec
+        return AttentionShape(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim)
+
+
+def plan_conversion(source: str, options: ConvertOptions) -> Plan:
+    """Open and validate the source, check the recipe, and choose (r, R); cheap (headers only)."""
+    folder, spec, reader = load_source(source, options.revision, options.allow_sliding_window)
+    if options.recipe:
+        from mlaconv.recipes import check_recipe, load_recipe
+
+        check_recipe(load_recipe(options.recipe), spec)
+    shapes = plan_shapes(spec, options.rank, options.kv_keep, options.rope_dim)
+    if options.rope_stride is not None and options.rope_stride not in rope.strides(spec.head_dim, shapes.rope_dim):
+        raise MlaconvError(f"--rope-stride {options.rope_stride} does not fit {shapes.rope_dim} rope dims in "
+                           f"head_dim {spec.head_dim}")
+    return Plan(folder, spec, reader, shapes, layer_options(spec, shapes, options))
+
+
+def with_rope_stride(plan: Plan, progress: Progress = no_progress) -> Plan:
+    """The plan with its model-wide rope stride chosen (a pass over the q/k weights), unless it is set."""
+    if plan.layer.rope_stride is not None:
+        return plan
+    stride = global_rope_stride(plan.reader, plan.spec, plan.shape, plan.layer, progress)
+    return replace(plan, layer=replace(plan.layer, rope_stride=stride))
+
+
+def calibration_streamer(plan: Plan, options: ConvertOptions) -> SourceStreamer | None:
+    """The layer-by-layer source forward over the calibration windows, when calibration was asked for."""
+    if not options.calibrated:
+        return None
+    tokens = load_calibration_tokens(plan.folder, plan.spec, options.calib, options.calib_dataset,
+                                     options.calib_tokens, options.calib_window)
+    return SourceStreamer(plan.reader, plan.spec, CalibrationOptions(tokens, options.device, options.calib_batch_size))
+
+
+def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = no_progress) -> dict:
     """Convert ``source`` into an MLA checkpoint at ``out``; return the report (a JSON-able dict)."""
     started = time.perf_counter()
     out = Path(out)
-    folder, spec, reader = load_source(source, options.revision, options.allow_sliding_window)
-    shapes = plan_shapes(spec, options.rank, options.kv_keep, options.rope_dim)
-    if options.rope_stride is not None and options.rope_stride not in rope.strides(spec.head_dim, shapes.rope_dim):
-        raise MlaconvError(f"--rope-stride {options.rope_stride} does not fit {shapes.rope_dim} rope dims in head_dim {spec.head_dim}")
-    dtype = _out_dtype(spec, options.dtype)
+    plan = plan_conversion(source, options)
+    folder, spec, reader, shapes = plan.folder, plan.spec, plan.reader, plan.shapes
+    dtype = output_dtype(spec, options.dtype)
     check_output_target(out, folder, options.force)
     check_free_space(out.parent, _estimate_output_bytes(spec, shapes, dtype))
-    streamer = None
-    if options.calibrated:
-        tokens = load_calibration_tokens(folder, spec, options.calib, options.calib_dataset, options.calib_tokens,
-                                         options.calib_window)
-        streamer = SourceStreamer(reader, spec, CalibrationOptions(tokens, options.device, options.calib_batch_size))
-
-    residual_scale = math.sqrt(LATENT_NORM_EPS / spec.rms_norm_eps)
-    lopts = layer_options(spec, shapes, options, residual_scale)
-    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    if lopts.rope_stride is None:
-        lopts = replace(lopts, rope_stride=global_rope_stride(reader, spec, shape, lopts, progress))
+    streamer = calibration_streamer(plan, options)
+    plan = with_rope_stride(plan, progress)
+    lopts, shape, alpha = plan.layer, plan.shape, plan.layer.residual_scale
     n = spec.names
     reports: list[LayerReport] = []
     attention_bias = spec.qkv_bias or spec.o_bias
@@ -206,7 +256,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     with atomic_output_dir(out, force=options.force) as tmp:
         writer = ShardedWriter(tmp, options.shard_size)
         embed = reader.get(n.embed)
-        writer.add(deepseek.EMBED, (embed.to(torch.float64) * residual_scale).to(dtype))
+        writer.add(deepseek.EMBED, (embed.to(torch.float64) * alpha).to(dtype))
         lm_head = reader.get(n.lm_head) if n.lm_head in reader else embed
         writer.add(deepseek.LM_HEAD, lm_head.to(dtype))
         del embed, lm_head
@@ -233,7 +283,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             del src, mla
             for name in (n.gate, n.up):
                 writer.add(p + name + ".weight", reader.get(n.in_layer(i, name + ".weight")).to(dtype))
-            down = reader.get(n.in_layer(i, n.down + ".weight")).to(torch.float64) * residual_scale
+            down = reader.get(n.in_layer(i, n.down + ".weight")).to(torch.float64) * alpha
             writer.add(p + n.down + ".weight", down.to(dtype))
             for name in (n.input_norm, n.post_attention_norm):
                 writer.add(p + name, reader.get(n.in_layer(i, name)).to(dtype))
@@ -242,12 +292,13 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
 
         config = deepseek.build_config(spec, rank=shapes.rank, rope_dim=shapes.rope_dim,
                                        rope_theta=rope.target_rope_theta(spec.rope_theta, spec.head_dim,
-                                                                         shapes.rope_dim, reports[0].rope_stride),
+                                                                         shapes.rope_dim, lopts.rope_stride),
                                        attention_bias=attention_bias, dtype_name=str(dtype).replace("torch.", ""))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copied = _copy_tokenizer(folder, tmp)
 
-        report = _report(spec, shapes, config, reports, out, folder, dtype, residual_scale, options, copied)
+        source_id = None if Path(source).expanduser().exists() else source  # a hub id, not a local path
+        report = _report(spec, shapes, config, reports, out, source_id, folder, dtype, alpha, options, copied)
         if streamer:
             report["mode"] = "calibrated"
             report["calibration"] = {"windows": streamer.options.tokens.shape[0],
@@ -259,14 +310,29 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
                                       window=options.verify_window, check_bias_drop=attention_bias)
         else:
             report["verify"] = None
+        if options.evaluated:
+            report["eval"] = _evaluate(tmp, folder, out, options, progress)
         report.update(options.extra_report)
         (tmp / "mlaconv.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_model_card(tmp, report)
     report["seconds"] = round(time.perf_counter() - started, 3)
     return report
 
 
+def _evaluate(converted: Path, source: Path, out: Path, options: ConvertOptions, progress: Progress) -> dict:
+    """``mlaconv eval perplexity`` of the fresh conversion against its source (same code path)."""
+    token_source = TokenSource(text=Path(options.eval_text) if options.eval_text else None,
+                               dataset=options.eval_dataset,
+                               tokens=Path(options.eval_tokens) if options.eval_tokens else None)
+    result = evaluate_perplexity(converted, source, source=token_source, window=options.eval_window,
+                                 max_windows=options.eval_max_windows, batch_size=options.eval_batch_size,
+                                 device=options.device if options.device != "cpu" else None, progress=progress)
+    result["model"] = str(out)
+    return result
+
+
 def global_rope_stride(reader: CheckpointReader, spec: SourceSpec, shape: AttentionShape, lopts: LayerOptions,
-                       progress: Progress = _no_progress) -> int:
+                       progress: Progress = no_progress) -> int:
     """One frequency grid for the whole model (the config has one rope_theta), chosen from the weights.
 
     Reads only each layer's q/k projections and input norm; the stride with the highest mean
@@ -302,8 +368,8 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def _report(spec: SourceSpec, shapes: Shapes, config: dict, reports: list[LayerReport], out: Path, source: Path,
-            dtype: torch.dtype, residual_scale: float, options: ConvertOptions, copied: list[str]) -> dict:
+def _report(spec: SourceSpec, shapes: Shapes, config: dict, reports: list[LayerReport], out: Path, source_id: str | None,
+            source: Path, dtype: torch.dtype, residual_scale: float, options: ConvertOptions, copied: list[str]) -> dict:
     from mlaconv.serving import serving_notes
 
     source_elements = spec.kv_elements_per_token_per_layer
@@ -314,11 +380,16 @@ def _report(spec: SourceSpec, shapes: Shapes, config: dict, reports: list[LayerR
     dropped = sorted({b for r in reports for b in r.dropped_bias})
     return {
         "mlaconv_version": __version__,
+        "transformers_version": transformers.__version__,
         "output": str(out),
         "source": str(source),
+        "source_id": source_id,
         "source_revision": source.name if source.parent.name == "snapshots" else None,
         "settings": {k: v for k, v in asdict(options).items() if k not in ("extra_report", "force")},
         "architecture": spec.family.label,
+        "source_shape": {"layers": spec.num_layers, "hidden": spec.hidden_size, "heads": spec.num_heads,
+                         "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
+        "recipe": options.recipe,
         "mode": "weights-only",
         "dtype": str(dtype).replace("torch.", ""),
         "kv_lora_rank": shapes.rank,

@@ -21,17 +21,16 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Iterator, Sequence
 
 import torch
 
 from mlaconv.errors import MlaconvError
+from mlaconv.progress import Progress, no_progress
 from mlaconv.io import read_config, resolve_source
 from mlaconv.models import (available_memory_bytes, kv_cache_bytes_per_token, kv_cache_elements, load_causal_lm,
                             load_tokenizer, parameter_bytes)
 
-T = TypeVar("T")
-Progress = Callable[[Iterable[T], str, int], Iterator[T]]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_WINDOW = 2048
@@ -41,10 +40,6 @@ DEFAULT_SPLIT = "test"
 LOGIT_CHUNK_ELEMENTS = 2**24
 # Share of the free memory both models and their logits may take before they run one after the other.
 MEMORY_HEADROOM = 0.9
-
-
-def _no_progress(items: Iterable[T], description: str, total: int) -> Iterator[T]:  # noqa: ARG001
-    yield from items
 
 
 @dataclass(frozen=True)
@@ -112,8 +107,8 @@ def load_eval_tokens(source: TokenSource, tokenizer_folders: Sequence[Path]) -> 
     Llama that is one BOS at the start of the stream, none per window).
     """
     if source.tokens is not None:
-        return EvalTokens(_read_token_lines(source.tokens), source.describe(), None, short_sequences_are_windows=True)
-    text = _read_text(source.text) if source.text is not None else _load_dataset_text(source.dataset)
+        return EvalTokens(read_token_lines(source.tokens), source.describe(), None, short_sequences_are_windows=True)
+    text = read_text(source.text) if source.text is not None else load_dataset_text(source.dataset)
     if not text.strip():
         raise MlaconvError(f"{source.describe()} is empty: there is nothing to evaluate on")
     for folder in tokenizer_folders:
@@ -143,7 +138,7 @@ def cut_windows(sequences: Sequence[torch.Tensor], window: int, keep_short: bool
 
 
 def score_windows(model, windows: Sequence[torch.Tensor], batch_size: int = 1, baseline=None,
-                  progress: Progress = _no_progress, description: str = "scoring windows") -> WindowScores:
+                  progress: Progress = no_progress, description: str = "scoring windows") -> WindowScores:
     """Run ``model`` (and ``baseline`` on the same batch) over ``windows``; keep only per-window sums.
 
     Consecutive windows of equal length are batched up to ``batch_size``; only the current batch's
@@ -175,7 +170,7 @@ def score_windows(model, windows: Sequence[torch.Tensor], batch_size: int = 1, b
 def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *, source: TokenSource,
                         window: int | None = None, max_windows: int | None = None, batch_size: int = 1,
                         dtype: str = "float32", device: str | None = None, device_map: str | None = None,
-                        progress: Progress = _no_progress) -> dict:
+                        progress: Progress = no_progress) -> dict:
     """WikiText-style perplexity of ``model`` (and ``baseline`` on the same windows); a JSON-able report.
 
     ``window`` defaults to 2048 or the shortest context of the models if that is less. Both models are
@@ -416,7 +411,7 @@ def _free_memory(device: str | None, device_map: str | None) -> int:
     return available_memory_bytes()
 
 
-def _read_text(path: Path) -> str:
+def read_text(path: Path) -> str:
     if not path.is_file():
         raise MlaconvError(f"no such text file: {path}")
     try:
@@ -425,7 +420,7 @@ def _read_text(path: Path) -> str:
         raise MlaconvError(f"{path} is not UTF-8 text: {exc}") from None
 
 
-def _read_token_lines(path: Path) -> list[torch.Tensor]:
+def read_token_lines(path: Path) -> list[torch.Tensor]:
     """One [length] int64 tensor per non-blank ``{"input_ids": [...]}`` line."""
     if not path.is_file():
         raise MlaconvError(f"no such token file: {path}")
@@ -446,19 +441,19 @@ def _read_token_lines(path: Path) -> list[torch.Tensor]:
     return sequences
 
 
-def _parse_dataset(spec: str) -> tuple[str, str | None, str]:
-    """``NAME[:CONFIG[:SPLIT]]`` → (name, config, split); plain ``wikitext`` is WikiText-2 raw, test split."""
+def _parse_dataset(spec: str, default_split: str = DEFAULT_SPLIT) -> tuple[str, str | None, str]:
+    """``NAME[:CONFIG[:SPLIT]]`` → (name, config, split); plain ``wikitext`` is WikiText-2 raw."""
     if spec == WIKITEXT[0]:
-        return WIKITEXT
+        return WIKITEXT[0], WIKITEXT[1], default_split
     name, config, split = (spec.split(":") + [None, None])[:3]
     if not name or spec.count(":") > 2:
-        raise MlaconvError(f"--dataset {spec!r}: expected NAME[:CONFIG[:SPLIT]], e.g. wikitext:wikitext-2-raw-v1:test")
-    return name, config or None, split or DEFAULT_SPLIT
+        raise MlaconvError(f"dataset {spec!r}: expected NAME[:CONFIG[:SPLIT]], e.g. wikitext:wikitext-2-raw-v1:test")
+    return name, config or None, split or default_split
 
 
-def _load_dataset_text(spec: str) -> str:
+def load_dataset_text(spec: str, default_split: str = DEFAULT_SPLIT) -> str:
     """The dataset's ``text`` column joined with blank lines, as the GPTQ protocol does for WikiText-2."""
-    name, config, split = _parse_dataset(spec)
+    name, config, split = _parse_dataset(spec, default_split)
     try:
         import datasets
     except ImportError:

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from mlaconv.arch import SourceSpec
-from mlaconv.convert import Shapes, _out_dtype, plan_shapes
+from mlaconv.convert import Shapes, output_dtype, plan_shapes
 from mlaconv.errors import MlaconvError
 from mlaconv.io import parse_size
 from mlaconv.mla import rope
@@ -116,7 +116,7 @@ def check_recipe(recipe: Recipe, spec: SourceSpec) -> Shapes:
     prefix = f"recipe {recipe.path.name} does not fit {describe_model(spec)}"
     try:
         shapes = plan_shapes(spec, o.get("rank"), o.get("kv_keep"), o.get("rope_dim"))
-        dtype = _out_dtype(spec, o.get("dtype"))
+        dtype = output_dtype(spec, o.get("dtype"))
     except MlaconvError as exc:
         raise MlaconvError(f"{prefix}: {exc}") from None
     stride = o.get("rope_stride")

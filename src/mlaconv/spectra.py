@@ -12,22 +12,19 @@ Weights are read lazily, one layer's attention at a time, so a 70B model fits on
 from __future__ import annotations
 
 import csv
-import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from mlaconv import __version__
-from mlaconv.convert import (ConvertOptions, Progress, Shapes, _no_progress, global_rope_stride, layer_options,
-                             load_source, plan_shapes, read_attention)
+from mlaconv.convert import (ConvertOptions, Shapes, calibration_streamer, plan_conversion, read_attention,
+                             with_rope_stride)
 from mlaconv.errors import MlaconvError
-from mlaconv.mla import rope
-from mlaconv.mla.attention import (AttentionShape, LayerAnalysis, LayerStats, SourceAttention, analyse_layer,
-                                   full_rank)
-from mlaconv.mla.latent_norm import LATENT_NORM_EPS
+from mlaconv.mla.attention import LayerAnalysis, LayerStats, SourceAttention, analyse_layer, full_rank
+from mlaconv.progress import Progress, no_progress
 
 DEFAULT_ENERGY_TARGETS = (0.9, 0.95, 0.99)
 DEFAULT_POWERS_OF_TWO = 6  # default ranks: the 6 largest powers of two below the full rank, and the full rank
@@ -47,12 +44,20 @@ class SpectraOptions:
     kv_balance: float = 1.0
     revision: str | None = None
     allow_sliding_window: bool = False
+    calib: list[str] = field(default_factory=list)
+    calib_dataset: str | None = None
+    calib_tokens: int = 65536
+    calib_window: int = 2048
+    device: str = "cpu"
 
     def convert_options(self) -> ConvertOptions:
-        """The ``convert`` settings these spectra preview (the rank does not enter the analysis)."""
-        return ConvertOptions(kv_keep=self.kv_keep, rope_dim=self.rope_dim, rope_stride=self.rope_stride,
+        """The ``convert`` settings these spectra preview (any rank: it does not enter the analysis)."""
+        return ConvertOptions(rank=None if self.kv_keep is not None else 1, kv_keep=self.kv_keep,
+                              rope_dim=self.rope_dim, rope_stride=self.rope_stride,
                               query_weighted_rope=self.query_weighted_rope, kv_balance=self.kv_balance,
-                              revision=self.revision, allow_sliding_window=self.allow_sliding_window)
+                              revision=self.revision, allow_sliding_window=self.allow_sliding_window,
+                              calib=self.calib, calib_dataset=self.calib_dataset, calib_tokens=self.calib_tokens,
+                              calib_window=self.calib_window, device=self.device)
 
 
 def default_ranks(full: int) -> list[int]:
@@ -77,45 +82,47 @@ def check_output_file(path: Path, suffix: str, option: str) -> None:
         raise MlaconvError(f"{option} {path} is a folder")
 
 
-def spectra(source: str, options: SpectraOptions, progress: Progress = _no_progress,
+def spectra(source: str, options: SpectraOptions, progress: Progress = no_progress,
             stats_for_layer: Callable[[int, SourceAttention], LayerStats] | None = None) -> dict:
     """Analyse every layer of ``source`` as ``convert`` would; return the report (a JSON-able dict).
 
-    ``stats_for_layer(i, src)`` supplies calibration statistics exactly as in ``convert``; without it
-    the spectra are weights-only. The keys are those documented in ``mlaconv inspect spectra --help``.
+    Calibration settings in ``options`` stream the source model exactly as ``convert`` does;
+    ``stats_for_layer(i, src)`` instead supplies statistics directly (for tests and other callers).
+    Without either the spectra are weights-only. The keys are documented in ``mlaconv inspect spectra --help``.
     """
     started = time.perf_counter()
     _check_targets(options.energy_targets)
-    folder, spec, reader = load_source(source, options.revision, options.allow_sliding_window)
+    settings = options.convert_options()
+    plan = plan_conversion(source, settings)
+    folder, spec, reader = plan.folder, plan.spec, plan.reader
     try:
-        shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-        settings = options.convert_options()
-        recommended = plan_shapes(spec, None, options.kv_keep, options.rope_dim) if options.kv_keep is not None else None
-        # Without a budget the rank is irrelevant here: any valid one yields convert's (validated) rope dims.
-        shapes = recommended or plan_shapes(spec, 1, None, options.rope_dim)
-        full = full_rank(shape, shapes.rope_dim)
+        recommended = plan.shapes if options.kv_keep is not None else None
+        shapes = plan.shapes
+        full = full_rank(plan.shape, shapes.rope_dim)
         ranks = _ranks(options.ranks, full, recommended)
-        if options.rope_stride is not None and options.rope_stride not in rope.strides(spec.head_dim, shapes.rope_dim):
-            raise MlaconvError(f"--rope-stride {options.rope_stride} does not fit {shapes.rope_dim} rope dims "
-                               f"in head_dim {spec.head_dim}")
-        residual_scale = math.sqrt(LATENT_NORM_EPS / spec.rms_norm_eps)
-        lopts = layer_options(spec, shapes, settings, residual_scale)
-        if lopts.rope_stride is None:
-            lopts = replace(lopts, rope_stride=global_rope_stride(reader, spec, shape, lopts, progress))
+        streamer = calibration_streamer(plan, settings)
+        plan = with_rope_stride(plan, progress)
+        calibrated = streamer is not None or stats_for_layer is not None
         layers = []
         for i in progress(range(spec.num_layers), "analysing layers", spec.num_layers):
             src = read_attention(reader, spec, i)
-            stats = stats_for_layer(i, src) if stats_for_layer else None
-            layers.append(_layer_entry(i, analyse_layer(src, shape, lopts, stats), ranks, options.energy_targets, full))
+            if streamer:
+                stats = streamer.stats(i, src)
+                streamer.advance(i, src)
+            else:
+                stats = stats_for_layer(i, src) if stats_for_layer else None
+            layers.append(_layer_entry(i, analyse_layer(src, plan.shape, plan.layer, stats), ranks,
+                                       options.energy_targets, full))
             del src, stats
     finally:
         reader.close()
+    lopts = plan.layer
 
     return {
         "mlaconv_version": __version__,
         "source": str(folder),
         "architecture": spec.family.label,
-        "mode": "calibrated" if stats_for_layer else "weights-only",
+        "mode": "calibrated" if calibrated else "weights-only",
         "settings": {k: v for k, v in asdict(options).items() if k not in ("ranks", "energy_targets")},
         "num_layers": spec.num_layers,
         "hidden_size": spec.hidden_size,

@@ -6,15 +6,33 @@ import json
 import sys
 import traceback
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, TypeVar
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from mlaconv.errors import MlaconvError
 
 # Progress bars and human-readable reports; stdout stays clean for ``--json``.
 stderr = Console(stderr=True)
+T = TypeVar("T")
+
+
+@contextmanager
+def rich_progress() -> Iterator:
+    """A progress callback for the library: wraps an iterable in a rich bar on stderr."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=stderr, transient=True) as bars:
+
+        def track(items: Iterable[T], description: str, total: int) -> Iterator[T]:
+            task = bars.add_task(description, total=total)
+            for item in items:
+                yield item
+                bars.advance(task)
+            bars.remove_task(task)
+
+        yield track
 
 
 def report_console(json_out: bool) -> Console:

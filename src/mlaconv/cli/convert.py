@@ -2,67 +2,78 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, TypeVar
+from typing import Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from mlaconv.cli import app
-from mlaconv.cli._common import DEBUG_OPTION, JSON_OPTION, emit_json, handle_errors, report_console, stderr
-
-T = TypeVar("T")
-
-
-@contextmanager
-def rich_progress() -> Iterator:
-    """A progress callback for the library: wraps an iterable in a rich bar on stderr."""
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TimeRemainingColumn(), console=stderr, transient=True) as bars:
-
-        def track(items: Iterable[T], description: str, total: int) -> Iterator[T]:
-            task = bars.add_task(description, total=total)
-            for item in items:
-                yield item
-                bars.advance(task)
-            bars.remove_task(task)
-
-        yield track
+from mlaconv.cli._common import DEBUG_OPTION, JSON_OPTION, emit_json, handle_errors, report_console, rich_progress
 
 
 @app.command()
 def convert(
-    src: str = typer.Argument(..., help="Source model: a local folder or a Hugging Face hub id (from the local cache)."),
-    out: Path = typer.Argument(..., help="Output folder (written atomically)."),
+    src: Optional[str] = typer.Argument(None, help="Source model: a local folder or a Hugging Face hub id (from the local cache). Default: the recipe's source."),
+    out: Optional[Path] = typer.Argument(None, help="Output folder (written atomically)."),
+    recipe: Optional[Path] = typer.Option(None, "--recipe", help="A recipes/*.yaml file of settings; explicit flags override it."),
     rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Latent rank r (kv_lora_rank)."),
     kv_keep: Optional[float] = typer.Option(None, "--kv-keep", help="Fraction of the source KV cache to keep, in (0, 1]; picks r and R."),
     rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="Shared RoPE key dims R (qk_rope_head_dim); default min(64, head_dim)."),
     rope_stride: Optional[int] = typer.Option(None, "--rope-stride", help="Keep source frequencies 0, s, 2s, … (default: chosen from the weights)."),
+    calib: Optional[list[str]] = typer.Option(None, "--calib", help="Calibration text file (or .jsonl of token ids); repeatable."),
+    calib_dataset: Optional[str] = typer.Option(None, "--calib-dataset", help="Calibration from a Hugging Face dataset NAME[:CONFIG[:SPLIT]] (local cache when offline)."),
+    calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="Calibration tokens (default 65536)."),
+    calib_window: Optional[int] = typer.Option(None, "--calib-window", help="Calibration window length (default 2048, capped at the context)."),
+    weights_only: bool = typer.Option(False, "--weights-only", help="Ignore a recipe's calibration settings."),
+    device: Optional[str] = typer.Option(None, "--device", help="Where calibration runs: cpu, cuda, cuda:1 … (default cpu)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Output dtype: float32 or bfloat16 (default: the source's)."),
-    shard_size: str = typer.Option("5GB", "--shard-size", help="Largest output shard, e.g. 5GB or 500MB."),
+    shard_size: Optional[str] = typer.Option(None, "--shard-size", help="Largest output shard, e.g. 5GB (default) or 500MB."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
-    verify: bool = typer.Option(True, "--verify/--no-verify", help="Compare OUT with the source through AutoModelForCausalLM."),
-    verify_windows: int = typer.Option(4, "--verify-windows", help="Windows the built-in check runs."),
-    verify_window: int = typer.Option(128, "--verify-window", help="Tokens per check window."),
-    allow_sliding_window: bool = typer.Option(False, "--allow-sliding-window", help="Convert a sliding-window model with full attention."),
+    verify: Optional[bool] = typer.Option(None, "--verify/--no-verify", help="Compare OUT with the source through AutoModelForCausalLM (default on)."),
+    verify_windows: Optional[int] = typer.Option(None, "--verify-windows", help="Windows the built-in check runs (default 4)."),
+    verify_window: Optional[int] = typer.Option(None, "--verify-window", help="Tokens per check window (default 128)."),
+    allow_sliding_window: Optional[bool] = typer.Option(None, "--allow-sliding-window", help="Convert a sliding-window model with full attention."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision when SRC is a hub id."),
+    eval_text: Optional[str] = typer.Option(None, "--eval-text", help="After converting, run `mlaconv eval perplexity` on this text file against the source."),
+    eval_dataset: Optional[str] = typer.Option(None, "--eval-dataset", help="… or on this dataset (wikitext = WikiText-2 raw test)."),
+    eval_tokens: Optional[str] = typer.Option(None, "--eval-tokens", help="… or on these token ids (JSON lines of input_ids)."),
+    eval_window: Optional[int] = typer.Option(None, "--eval-window", help="Evaluation window (default 2048 or the context)."),
+    eval_max_windows: Optional[int] = typer.Option(None, "--eval-max-windows", help="Evaluate at most this many windows."),
     json_out: bool = JSON_OPTION,
     debug: bool = DEBUG_OPTION,
 ) -> None:
     """Convert an MHA/GQA checkpoint into a native DeepSeek-V3 MLA checkpoint."""
     with handle_errors(debug):
         from mlaconv.convert import ConvertOptions, convert as run_convert
+        from mlaconv.errors import MlaconvError
         from mlaconv.io import parse_size
 
-        options = ConvertOptions(
-            rank=rank, kv_keep=kv_keep, rope_dim=rope_dim, rope_stride=rope_stride, dtype=dtype,
-            shard_size=parse_size(shard_size), force=force, verify=verify, verify_windows=verify_windows,
-            verify_window=verify_window, allow_sliding_window=allow_sliding_window, revision=revision,
-        )
+        given = {
+            "rank": rank, "kv_keep": kv_keep, "rope_dim": rope_dim, "rope_stride": rope_stride,
+            "calib": calib or None, "calib_dataset": calib_dataset, "calib_tokens": calib_tokens,
+            "calib_window": calib_window, "device": device, "dtype": dtype,
+            "shard_size": parse_size(shard_size) if shard_size else None, "verify": verify,
+            "verify_windows": verify_windows, "verify_window": verify_window,
+            "allow_sliding_window": allow_sliding_window, "revision": revision, "eval_text": eval_text,
+            "eval_dataset": eval_dataset, "eval_tokens": eval_tokens, "eval_window": eval_window,
+            "eval_max_windows": eval_max_windows,
+        }
+        settings = {key: value for key, value in given.items() if value is not None}
+        if recipe is not None:
+            from mlaconv.recipes import load_recipe, merge_options
+
+            loaded = load_recipe(recipe)
+            settings = merge_options(loaded.options, given)
+            src = src or loaded.source
+            settings["recipe"] = str(recipe)
+        if weights_only:
+            settings.pop("calib", None)
+            settings.pop("calib_dataset", None)
+        if src is None or out is None:
+            raise MlaconvError("give SRC and OUT (SRC may come from --recipe)")
         with rich_progress() as track:
-            report = run_convert(src, out, options, progress=track)
+            report = run_convert(src, out, ConvertOptions(force=force, **settings), progress=track)
         render_report(report, report_console(json_out))
         if json_out:
             emit_json(report)
@@ -100,5 +111,11 @@ def render_report(report: dict, console) -> None:
                           highlight=False)
     elif check:
         console.print(f"check skipped: {check['skipped']}", highlight=False)
+    if report.get("eval"):
+        result = report["eval"]
+        console.print(
+            f"eval ({result['data']}, {result['windows']} windows of {result['window']}): PPL {result['ppl']:.4g} vs "
+            f"source {result['baseline_ppl']:.4g} (drift {result['drift']:+.2%}), KL {result['kl_per_token']:.3g}, "
+            f"top-1 {result['top1_agreement']:.2%}", highlight=False)
     for warning in report["serving"]["warnings"]:
         console.print(f"[yellow]note:[/] {warning}", highlight=False)

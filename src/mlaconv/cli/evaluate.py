@@ -10,7 +10,7 @@ from rich.table import Table
 
 from mlaconv.cli import eval_app
 from mlaconv.cli._common import DEBUG_OPTION, JSON_OPTION, emit_json, handle_errors, report_console
-from mlaconv.cli.convert import rich_progress
+from mlaconv.cli._common import rich_progress
 
 
 @eval_app.command("perplexity")

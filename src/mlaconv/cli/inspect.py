@@ -10,7 +10,7 @@ from rich import box
 from rich.table import Table
 
 from mlaconv.cli import inspect_app
-from mlaconv.cli._common import DEBUG_OPTION, JSON_OPTION, emit_json, handle_errors, report_console
+from mlaconv.cli._common import DEBUG_OPTION, JSON_OPTION, emit_json, handle_errors, report_console, rich_progress
 from mlaconv.errors import MlaconvError
 
 
@@ -26,6 +26,11 @@ def spectra(
     csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write one CSV row per layer."),
     allow_sliding_window: bool = typer.Option(False, "--allow-sliding-window", help="Inspect a sliding-window model as convert would treat it."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision when SRC is a hub id."),
+    calib: Optional[list[str]] = typer.Option(None, "--calib", help="Calibration text file (or .jsonl of token ids), as in convert; repeatable."),
+    calib_dataset: Optional[str] = typer.Option(None, "--calib-dataset", help="Calibration from a dataset NAME[:CONFIG[:SPLIT]], as in convert."),
+    calib_tokens: int = typer.Option(65536, "--calib-tokens", help="Calibration tokens."),
+    calib_window: int = typer.Option(2048, "--calib-window", help="Calibration window length (capped at the context)."),
+    device: str = typer.Option("cpu", "--device", help="Where calibration runs."),
     json_out: bool = JSON_OPTION,
     debug: bool = DEBUG_OPTION,
 ) -> None:
@@ -62,7 +67,6 @@ def spectra(
         energy_retained (per layer), energy_retained_mean.
     """
     with handle_errors(debug):
-        from mlaconv.cli.convert import rich_progress
         from mlaconv.spectra import SpectraOptions, check_output_file, spectra as run_spectra, write_csv
 
         if plot is not None:
@@ -76,6 +80,8 @@ def spectra(
             ranks=_parse_list(ranks, int, "--ranks") if ranks is not None else None,
             energy_targets=tuple(_parse_list(energy, float, "--energy")), kv_keep=kv_keep, rope_dim=rope_dim,
             rope_stride=rope_stride, revision=revision, allow_sliding_window=allow_sliding_window,
+            calib=calib or [], calib_dataset=calib_dataset, calib_tokens=calib_tokens, calib_window=calib_window,
+            device=device,
         )
         with rich_progress() as track:
             report = run_spectra(src, options, progress=track)

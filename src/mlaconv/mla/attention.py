@@ -192,7 +192,8 @@ def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, opti
     nk, nv = block_norm(k_nope, stats.metric), block_norm(v, stats.metric)
     wk = options.kv_balance / nk if nk > 0 else 1.0
     wv = 1.0 / nv if nv > 0 else 1.0
-    row_weight = torch.cat([torch.full((k_nope.shape[0],), wk), torch.full((v.shape[0],), wv)]).to(target)
+    row_weight = torch.cat([torch.full((k_nope.shape[0],), wk, dtype=target.dtype),
+                            torch.full((v.shape[0],), wv, dtype=target.dtype)])
     return target, row_weight
 
 

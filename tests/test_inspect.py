@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from mlaconv.cli import app
 from mlaconv.cli.inspect import spectra as spectra_command
-from mlaconv.convert import ConvertOptions, convert, layer_options, load_source, plan_shapes, read_attention
+from mlaconv.convert import (ConvertOptions, calibrated_layer_options, convert, layer_options, load_source, plan_shapes,
+                             read_attention)
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.attention import AttentionShape, LayerStats, convert_attention
 from mlaconv.plot import require_matplotlib, save_spectra_plot, spectra_figure
@@ -157,7 +158,7 @@ def test_calibration_hook_is_applied_as_in_convert(tiny_model):
     def stats_for_layer(i, attention):
         calls.append(i)
         x = mixes[i] * attention.input_norm.double()
-        return LayerStats(metric=x.T @ x / 32)
+        return LayerStats(metric=x.T @ x / 32, rotation_mean=torch.full((2, 8), 0.5 + 0.1j, dtype=torch.complex128))
 
     calibrated = spectra(str(src), SpectraOptions(ranks=[12], rope_dim=8), stats_for_layer=stats_for_layer)
     plain = spectra(str(src), SpectraOptions(ranks=[12], rope_dim=8))
@@ -165,7 +166,7 @@ def test_calibration_hook_is_applied_as_in_convert(tiny_model):
 
     _, spec, reader = load_source(str(src))
     shapes = plan_shapes(spec, 12, None, 8)
-    lopts = layer_options(spec, shapes, ConvertOptions(rope_stride=calibrated["rope_stride"]))
+    lopts = calibrated_layer_options(layer_options(spec, shapes, ConvertOptions(rope_stride=calibrated["rope_stride"])))
     shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     expected = []
     for i in range(2):
@@ -296,14 +297,15 @@ def test_cli_bad_input_is_one_line_and_non_zero(args, message, stories, tmp_path
 
 
 def test_calibrated_inspect_agrees_with_calibrated_convert(stories, tmp_path):
-    """--calib streams the source in both commands: the same energies per layer."""
+    """--calib streams the source in both commands: the same energies per layer (convert without its
+    per-layer variant search, which inspect does not run)."""
     import json
 
     tokens = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(3))
     calib = tmp_path / "calib.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in tokens.tolist()))
     converted = convert(str(stories), tmp_path / "out", ConvertOptions(rank=24, verify=False, calib=[str(calib)],
-                                                                       calib_window=64))
+                                                                       calib_window=64, layer_search=False))
     report = spectra(str(stories), SpectraOptions(ranks=[24], calib=[str(calib)], calib_window=64))
     assert report["mode"] == converted["mode"] == "calibrated"
     energy = [layer["energy_retained"][0] for layer in report["layers"]]

@@ -21,8 +21,8 @@ from mlaconv.io import CheckpointReader
 from mlaconv.models import load_tokenizer
 from mlaconv.mla.attention import LayerStats, MLAAttention, SourceAttention
 from mlaconv.mla.rope import scaled_frequencies
-from mlaconv.reference import (Heads, MLPWeights, attention_by_distance, mlp_block, rms_norm, rope_angles,
-                               source_attention)
+from mlaconv.reference import (Heads, MLPWeights, attention_by_distance, mla_attention, mlp_block, rms_norm,
+                               rope_angles, source_attention)
 
 
 def load_calibration_tokens(source: Path, spec: SourceSpec, files: list[str], dataset: str | None,
@@ -117,6 +117,28 @@ class SourceStreamer:
         phases = torch.exp(-1j * torch.arange(S, dtype=torch.float64)[:, None] * self.freqs[None, :])  # [S, F]
         rotation_mean = (by_distance.cpu().to(torch.complex128) @ phases) / (profiled * S)
         return LayerStats(metric=(moment / self.token_count).cpu(), rotation_mean=rotation_mean)
+
+    def attention_error(self, i: int, attention: SourceAttention, converted: MLAAttention, rank: int,
+                        rope_dim: int, slot_frequencies: torch.Tensor, residual_scale: float) -> float:
+        """‖MLA(x)/α − source(x)‖² / ‖source(x)‖² of layer i's attention output on the profiling windows.
+
+        α is the residual rescale folded into the converted o_proj.
+        """
+        if i != self.next_layer:
+            raise RuntimeError(f"calibration is at layer {self.next_layer}, asked for layer {i}")
+        source_weights = self._on_device(attention)
+        mla = MLAAttention(**{name: t.to(self.device, torch.float32) if t is not None else None
+                              for name, t in vars(converted).items()})
+        angles = rope_angles(slot_frequencies, self.options.tokens.shape[1]).to(self.device)
+        error = total = 0.0
+        with torch.no_grad():
+            for batch in list(self._batches())[: max(1, self.options.profile_windows // self.options.batch_size)]:
+                x = rms_norm(self.hidden[batch].to(self.device), source_weights.input_norm, self.spec.rms_norm_eps)
+                reference = source_attention(x, source_weights, self.heads, self.angles)
+                approx = mla_attention(x, mla, self.heads, rank, rope_dim, angles) / residual_scale
+                error += (approx - reference).double().pow(2).sum().item()
+                total += reference.double().pow(2).sum().item()
+        return error / total if total > 0 else 0.0
 
     def _on_device(self, attention: SourceAttention) -> SourceAttention:
         return SourceAttention(**{name: t.to(self.device, torch.float32) if t is not None else None

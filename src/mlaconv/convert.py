@@ -63,6 +63,7 @@ class ConvertOptions:
     calib_window: int = 2048
     calib_batch_size: int = 4
     device: str = "cpu"
+    layer_search: bool = True  # calibrated: keep, per layer, the variant with the least measured error
     recipe: str | None = None
     eval_text: str | None = None
     eval_dataset: str | None = None
@@ -161,10 +162,7 @@ def read_attention(reader: CheckpointReader, spec: SourceSpec, i: int) -> Source
         full = n.in_layer(i, name)
         if optional and full not in reader:
             return None
-        tensor = reader.get(full)
-        if not torch.isfinite(tensor).all():
-            raise MlaconvError(f"tensor {full} contains NaN or Inf")
-        return tensor
+        return reader.get(full)  # the reader refuses NaN and Inf
 
     return SourceAttention(
         q=get(n.q + ".weight"), k=get(n.k + ".weight"), v=get(n.v + ".weight"), o=get(n.o + ".weight"),
@@ -184,7 +182,7 @@ def residual_scale(spec: SourceSpec) -> float:
 def layer_options(spec: SourceSpec, shapes: Shapes, options: ConvertOptions) -> LayerOptions:
     return LayerOptions(
         rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling,
-        rope_stride=options.rope_stride, context=min(spec.max_position_embeddings, 8192),
+        rope_stride=options.rope_stride, context=min(spec.max_position_embeddings, 4096),
         query_weighted_rope=options.query_weighted_rope, kv_balance=options.kv_balance,
         residual_scale=residual_scale(spec), delta=options.delta,
     )
@@ -254,20 +252,23 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     attention_bias = spec.qkv_bias or spec.o_bias
 
     with atomic_output_dir(out, force=options.force) as tmp:
-        writer = ShardedWriter(tmp, options.shard_size)
+        writer = ShardedWriter(tmp, options.shard_size)  # writes each tensor as it is added
+        if n.lm_head in reader:
+            writer.add(deepseek.LM_HEAD, reader.get(n.lm_head).to(dtype))
         embed = reader.get(n.embed)
-        writer.add(deepseek.EMBED, (embed.to(torch.float64) * alpha).to(dtype))
-        lm_head = reader.get(n.lm_head) if n.lm_head in reader else embed
-        writer.add(deepseek.LM_HEAD, lm_head.to(dtype))
-        del embed, lm_head
+        if n.lm_head not in reader:  # tied: the head is the embedding before it is scaled in place
+            writer.add(deepseek.LM_HEAD, embed.to(dtype))
+        writer.add(deepseek.EMBED, _scaled(embed, alpha, dtype))
+        del embed
         writer.add(deepseek.FINAL_NORM, reader.get(n.final_norm).to(dtype))
 
         for i in progress(range(spec.num_layers), "converting layers", spec.num_layers):
             src = read_attention(reader, spec, i)
-            stats = streamer.stats(i, src) if streamer else None
-            mla, report = convert_attention(src, shape, lopts, stats)
             if streamer:
+                mla, report = best_calibrated_layer(i, src, plan, streamer, options.layer_search)
                 streamer.advance(i, src, mla)
+            else:
+                mla, report = convert_attention(src, shape, lopts)
             reports.append(report)
             p = deepseek.layer_prefix(i)
             writer.add(p + deepseek.Q_PROJ, mla.q_proj.to(dtype))
@@ -283,8 +284,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             del src, mla
             for name in (n.gate, n.up):
                 writer.add(p + name + ".weight", reader.get(n.in_layer(i, name + ".weight")).to(dtype))
-            down = reader.get(n.in_layer(i, n.down + ".weight")).to(torch.float64) * alpha
-            writer.add(p + n.down + ".weight", down.to(dtype))
+            writer.add(p + n.down + ".weight", _scaled(reader.get(n.in_layer(i, n.down + ".weight")), alpha, dtype))
             for name in (n.input_norm, n.post_attention_norm):
                 writer.add(p + name, reader.get(n.in_layer(i, name)).to(dtype))
         writer.finish()
@@ -331,6 +331,44 @@ def _evaluate(converted: Path, source: Path, out: Path, options: ConvertOptions,
     return result
 
 
+def calibrated_layer_options(layer: LayerOptions) -> LayerOptions:
+    """The calibrated variant: whitened metric, measured attention profile, query-weighted RoPE mixing."""
+    return replace(layer, query_weighted_rope=True)
+
+
+def calibrated_candidates(layer: LayerOptions, search: bool) -> list[tuple[str, LayerOptions, bool]]:
+    """The per-layer variants calibration measures: (label, options, use the calibration statistics).
+
+    With ``search`` the weights-only variant is among them, so a calibrated layer is never measurably
+    worse; without it only the calibrated variant runs (what ``inspect spectra --calib`` shows).
+    """
+    calibrated = calibrated_layer_options(layer)
+    if not search:
+        return [("calibrated", calibrated, True)]
+    return [
+        ("weights-only", layer, False),
+        ("calibrated", calibrated, True),
+        ("calibrated, attention-weighted latent", replace(calibrated, latent_weighting="attention"), True),
+    ]
+
+
+def best_calibrated_layer(i: int, src: SourceAttention, plan: Plan, streamer: SourceStreamer, search: bool = True):
+    """Convert layer i each way ``calibrated_candidates`` lists; keep the one with the least measured
+    attention-output error on the calibration windows."""
+    stats = streamer.stats(i, src)
+    spec, layer = plan.spec, plan.layer
+    freqs = rope.scaled_frequencies(spec.rope_theta, spec.head_dim, spec.rope_scaling)
+    slots = freqs[rope.kept_frequencies(layer.rope_dim, layer.rope_stride)]
+    best = None
+    for label, options, use_stats in calibrated_candidates(layer, search):
+        mla, report = convert_attention(src, plan.shape, options, stats if use_stats else None)
+        error = streamer.attention_error(i, src, mla, layer.rank, layer.rope_dim, slots, layer.residual_scale)
+        if best is None or error < best[1].attention_error:
+            report.attention_error, report.variant = error, label
+            best = (mla, report)
+    return best
+
+
 def global_rope_stride(reader: CheckpointReader, spec: SourceSpec, shape: AttentionShape, lopts: LayerOptions,
                        progress: Progress = no_progress) -> int:
     """One frequency grid for the whole model (the config has one rope_theta), chosen from the weights.
@@ -344,6 +382,15 @@ def global_rope_stride(reader: CheckpointReader, spec: SourceSpec, shape: Attent
     scores = [rope_stride_scores(read_attention(reader, spec, i), shape, lopts)
               for i in progress(range(spec.num_layers), "choosing rope frequencies", spec.num_layers)]
     return rope.best_stride(scores)
+
+
+def _scaled(matrix: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
+    """matrix·α in ``dtype``, computed in float64 64 MB of rows at a time, in place when the dtype allows."""
+    out = matrix if matrix.dtype == dtype else torch.empty(matrix.shape, dtype=dtype)
+    rows = max(1, 2**23 // matrix.shape[-1])
+    for start in range(0, matrix.shape[0], rows):
+        out[start:start + rows] = (matrix[start:start + rows].to(torch.float64) * alpha).to(dtype)
+    return out
 
 
 def _copy_tokenizer(source: Path, out: Path) -> list[str]:
@@ -411,6 +458,8 @@ def _report(spec: SourceSpec, shapes: Shapes, config: dict, reports: list[LayerR
         "rope_energy_kept_per_frequency": [r.rope_energy_kept_per_frequency for r in reports],
         "rope_loss_weighted_kept": [r.rope_loss_weighted_kept for r in reports],
         "key_error": [r.key_error for r in reports],
+        "attention_error": [r.attention_error for r in reports],
+        "layer_variant": [r.variant for r in reports],
         "value_error": [r.value_error for r in reports],
         "latent_norm": {"eps": LATENT_NORM_EPS, "delta": options.delta,
                         "max_bound": max(r.latent_bound for r in reports)},

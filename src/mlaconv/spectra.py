@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 
 from mlaconv import __version__
-from mlaconv.convert import (ConvertOptions, Shapes, calibration_streamer, plan_conversion, read_attention,
-                             with_rope_stride)
+from mlaconv.convert import (ConvertOptions, Shapes, calibrated_layer_options, calibration_streamer,
+                             plan_conversion, read_attention, with_rope_stride)
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.attention import LayerAnalysis, LayerStats, SourceAttention, analyse_layer, full_rank
 from mlaconv.progress import Progress, no_progress
@@ -111,7 +111,8 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
                 streamer.advance(i, src)
             else:
                 stats = stats_for_layer(i, src) if stats_for_layer else None
-            layers.append(_layer_entry(i, analyse_layer(src, plan.shape, plan.layer, stats), ranks,
+            layer_options = calibrated_layer_options(plan.layer) if calibrated else plan.layer
+            layers.append(_layer_entry(i, analyse_layer(src, plan.shape, layer_options, stats), ranks,
                                        options.energy_targets, full))
             del src, stats
     finally:

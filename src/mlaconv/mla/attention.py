@@ -64,9 +64,11 @@ class LayerOptions:
     rope_theta: float
     rope_scaling: dict | None = None
     rope_stride: int | None = None  # None: chosen from the energies
-    context: int = 4096  # relative distances that rotation-loss weights assume
+    context: int = 4096  # window of the data-free attention profile
     query_weighted_rope: bool = False  # weight each KV head's key energy by the query energy it serves
     kv_balance: float = 1.0  # weight of the NoPE keys against the values in the joint latent
+    latent_weighting: str = "balanced"  # "balanced": K and V blocks at equal energy; "attention": keys
+    # weighted by the queries that read them (q·k is what matters), values by W_o (W_o·v is)
     residual_scale: float = 1.0  # α: rescales what o_proj writes into the residual stream
     delta: float = DEFAULT_DELTA  # tiny-latent bound on mean(c²)/ε
 
@@ -94,23 +96,29 @@ class LayerReport:
     latent_bound: float  # proven max over all tokens of mean(c'²)/ε
     spectrum: list[float] = field(repr=False)  # eigenvalues of the matrix truncated, descending
     dropped_bias: list[str] = field(default_factory=list)  # bias terms no stock DeepSeek tensor can hold
+    attention_error: float | None = None  # measured on calibration windows: ‖MLA − source‖²/‖source‖²
+    variant: str = "weights-only"  # which conversion variant this layer kept
 
 
 @dataclass(frozen=True)
 class LayerStats:
     """What calibration knows of one layer (weights-only: ĥ isotropic, no attention profile).
 
-    rotation_mean μ[h, j] = E[e^{-iΔω_j}] over the source's attention of query head h (Δ = query
-    position − key position, weighted by the attention probabilities): the best position-free
-    stand-in for the rotation of a key component that loses it.
+    rotation_mean μ[h, j] = E[e^{-iΔω_j}] over the attention of query head h (Δ = query position −
+    key position, weighted by the attention probabilities): the best position-free stand-in for the
+    rotation of a key component that loses it. Calibration measures it; without data a prior is used.
     """
 
     metric: torch.Tensor  # E[x xᵀ] [H, H], float64
-    rotation_mean: torch.Tensor | None = None  # μ [N, F] complex128
+    rotation_mean: torch.Tensor  # μ [N, F] complex128
 
-    @classmethod
-    def weights_only(cls, gamma: torch.Tensor) -> "LayerStats":
-        return cls(metric=torch.diag(gamma.to(torch.float64) ** 2))
+
+
+def weights_only_stats(gamma: torch.Tensor, shape: AttentionShape, options: LayerOptions) -> LayerStats:
+    """Statistics without data: ĥ isotropic (E[x xᵀ] = diag γ²) and the prior attention profile."""
+    freqs = rope.scaled_frequencies(options.rope_theta, shape.head_dim, options.rope_scaling)
+    mean = rope.prior_rotation_mean(freqs, options.context)
+    return LayerStats(metric=torch.diag(gamma.to(torch.float64) ** 2), rotation_mean=mean[None, :].expand(shape.heads, -1))
 
 
 def full_rank(shape: AttentionShape, rope_dim: int) -> int:
@@ -124,16 +132,10 @@ def query_energy_per_head(q: torch.Tensor, shape: AttentionShape, metric: torch.
     return torch.einsum("fnh,hk,fnk->fn", zq, metric.to(zq.dtype), zq.conj()).real
 
 
-def unrotation_cost(shape: AttentionShape, stats: LayerStats, options: LayerOptions) -> torch.Tensor:
-    """[F, N]: expected |e^{-iΔω} − μ|² when a key component at frequency j loses its rotation for head h.
-
-    Calibrated: 1 − |μ|² with the measured attention profile μ (the remainder then uses μ). Weights
-    only: μ = 1 and Δ uniform over the context, i.e. ``rope.rotation_loss_weight``.
-    """
-    if stats.rotation_mean is not None:
-        return (1 - stats.rotation_mean.abs() ** 2).clamp_min(0).T
-    freqs = rope.scaled_frequencies(options.rope_theta, shape.head_dim, options.rope_scaling)
-    return rope.rotation_loss_weight(freqs, options.context)[:, None].expand(-1, shape.heads)
+def unrotation_cost(stats: LayerStats) -> torch.Tensor:
+    """[F, N]: E|e^{-iΔω} − μ|² = 1 − |μ|², what losing the rotation of a component at frequency j costs
+    head h when the component then sees the mean rotation μ instead."""
+    return (1 - stats.rotation_mean.abs() ** 2).clamp_min(0).T
 
 
 def key_mix(k: torch.Tensor, q: torch.Tensor, shape: AttentionShape, stats: LayerStats,
@@ -145,7 +147,7 @@ def key_mix(k: torch.Tensor, q: torch.Tensor, shape: AttentionShape, stats: Laye
     """
     zk = rope.complex_pairs(k, shape.kv_heads)  # [F, n_kv, H]
     gram = rope.hermitian_gram(zk, stats.metric)
-    cost = unrotation_cost(shape, stats, options)  # [F, N]
+    cost = unrotation_cost(stats)  # [F, N]
     if options.query_weighted_rope:
         cost = cost * query_energy_per_head(q, shape, stats.metric)
     weights = cost.reshape(cost.shape[0], shape.kv_heads, shape.group).sum(-1)
@@ -155,7 +157,7 @@ def key_mix(k: torch.Tensor, q: torch.Tensor, shape: AttentionShape, stats: Laye
 def rope_stride_scores(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
                        stats: LayerStats | None = None) -> dict[int, float]:
     """How much rotation-weighted key energy each candidate stride keeps rotated in this layer."""
-    stats = stats if stats is not None else LayerStats.weights_only(src.input_norm.to(torch.float64))
+    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options)
     _, mix = key_mix(src.k.to(torch.float64), src.q.to(torch.float64), shape, stats, options)
     return rope.stride_scores(mix.energies, options.rope_dim)
 
@@ -186,15 +188,55 @@ def block_norm(w: torch.Tensor, metric: torch.Tensor) -> float:
     return math.sqrt(max(torch.einsum("ij,jk,ik->", w, metric, w).item(), 0.0))
 
 
-def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, options: LayerOptions):
-    """The stacked target [K_nope; V] and its balancing row weights (step 2)."""
+def _psd_root(m: torch.Tensor) -> torch.Tensor:
+    values, vectors = torch.linalg.eigh(0.5 * (m + m.transpose(-1, -2)))
+    return (vectors * values.clamp_min(0).sqrt()[..., None, :]) @ vectors.transpose(-1, -2)
+
+
+def attention_row_weights(q_nope: torch.Tensor, o: torch.Tensor, shape: AttentionShape,
+                          metric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head g, (Σ_h E[q_h q_hᵀ])½ for its NoPE key and (Σ_h W_o,hᵀW_o,h)½ for its value → 2 × [n_kv, d, d].
+
+    An error Δk in head g's key moves the scores of its query heads by q_h·Δk, and an error Δv
+    moves the output by W_o,h·Δv: these roots turn ‖Δ‖ into what the attention actually sees.
+    """
+    N, G, d = shape.heads, shape.kv_heads, shape.head_dim
+    q = q_nope.reshape(N, d, -1)
+    query_moment = torch.einsum("ndh,hk,nek->nde", q, metric, q).reshape(G, shape.group, d, d).sum(1)
+    o_heads = o.reshape(o.shape[0], N, d).transpose(0, 1)  # [N, H, d]
+    output_moment = (o_heads.transpose(1, 2) @ o_heads).reshape(G, shape.group, d, d).sum(1)
+    return _psd_root(query_moment), _psd_root(output_moment)
+
+
+def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, options: LayerOptions,
+                  q_nope: torch.Tensor, o: torch.Tensor, shape: AttentionShape):
+    """The stacked target [K_nope; V] and the row weights that choose its latent basis (step 2).
+
+    Row weights are a vector (diagonal) for "balanced", a block-diagonal matrix for "attention";
+    either way the K and V blocks are scaled to equal weighted energy, then K by ``kv_balance``.
+    """
     target = torch.cat([k_nope, v], dim=0)
-    nk, nv = block_norm(k_nope, stats.metric), block_norm(v, stats.metric)
-    wk = options.kv_balance / nk if nk > 0 else 1.0
-    wv = 1.0 / nv if nv > 0 else 1.0
-    row_weight = torch.cat([torch.full((k_nope.shape[0],), wk, dtype=target.dtype),
-                            torch.full((v.shape[0],), wv, dtype=target.dtype)])
-    return target, row_weight
+    if options.latent_weighting == "attention":
+        key_root, value_root = attention_row_weights(q_nope, o, shape, stats.metric)
+        key_weight, value_weight = torch.block_diag(*key_root), torch.block_diag(*value_root)
+    else:
+        key_weight = torch.eye(k_nope.shape[0], dtype=target.dtype)
+        value_weight = torch.eye(v.shape[0], dtype=target.dtype)
+    nk, nv = block_norm(key_weight @ k_nope, stats.metric), block_norm(value_weight @ v, stats.metric)
+    # A block with (numerically) no energy, e.g. MQA keys that all stay rotated, is not blown up.
+    floor = 1e-9 * max(nk, nv, 1e-300)
+    key_weight = key_weight * (options.kv_balance / max(nk, floor) if nk > floor else options.kv_balance / max(nv, 1e-300))
+    value_weight = value_weight * (1.0 / max(nv, floor) if nv > floor else 1.0 / max(nk, 1e-300))
+    if options.latent_weighting == "attention":
+        return target, torch.block_diag(key_weight, value_weight)
+    return target, torch.cat([key_weight.diagonal(), value_weight.diagonal()])
+
+
+def nope_query(q: torch.Tensor, shape: AttentionShape, stats: LayerStats) -> torch.Tensor:
+    """The NoPE query rows [N·d, H]: the source query times conj(μ) per pair, so that the key remainders
+    (which lost their rotation) see the mean rotation instead of none."""
+    zq = rope.complex_pairs(q, shape.heads)  # [F, N, H]
+    return rope.real_rows(stats.rotation_mean.T.conj()[:, :, None] * zq)
 
 
 @dataclass
@@ -207,7 +249,7 @@ class LayerAnalysis:
     shared: torch.Tensor  # κ per slot [R/2, H] complex
     k_nope: torch.Tensor  # [n_kv·d, H]
     target: torch.Tensor  # [K_nope; V] [2·n_kv·d, H]
-    row_weight: torch.Tensor  # [2·n_kv·d]
+    row_weight: torch.Tensor  # [2·n_kv·d] (diagonal) or [2·n_kv·d, 2·n_kv·d]
     spectrum: latent_math.Spectrum  # of the exact matrix the latent truncates
 
 
@@ -215,10 +257,10 @@ def analyse_layer(src: SourceAttention, shape: AttentionShape, options: LayerOpt
                   stats: LayerStats | None = None) -> LayerAnalysis:
     """RoPE split and the latent's spectrum for one layer (float64 copies of ``src`` are used)."""
     src = _as_float64(src)
-    stats = stats if stats is not None else LayerStats.weights_only(src.input_norm)
+    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options)
     mix, choice, plain_kept, shared, k_nope = decompose_keys(src.k, src.q, shape, stats, options)
-    target, row_weight = latent_target(k_nope, src.v, stats, options)
-    spec = latent_math.spectrum(row_weight[:, None] * target, stats.metric)
+    target, row_weight = latent_target(k_nope, src.v, stats, options, nope_query(src.q, shape, stats), src.o, shape)
+    spec = latent_math.spectrum(latent_math.weigh(row_weight, target), stats.metric)
     return LayerAnalysis(mix, choice, plain_kept, shared, k_nope, target, row_weight, spec)
 
 
@@ -230,7 +272,7 @@ def convert_attention(src: SourceAttention, shape: AttentionShape, options: Laye
                       stats: LayerStats | None = None) -> tuple[MLAAttention, LayerReport]:
     """Convert one layer; all inputs are cast to float64 first."""
     src = _as_float64(src)
-    stats = stats if stats is not None else LayerStats.weights_only(src.input_norm)
+    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options)
     N, G, d, R, r = shape.heads, shape.kv_heads, shape.head_dim, options.rope_dim, options.rank
     group_of_head = torch.arange(N) // shape.group
 
@@ -245,16 +287,12 @@ def convert_attention(src: SourceAttention, shape: AttentionShape, options: Laye
     typical_rms = math.sqrt(max(torch.einsum("ij,jk,ik->", lat.down, stats.metric, lat.down).item(), 0.0) / r)
     tiny = tiny_latent(lat.down, src.input_norm, typical_rms, delta=options.delta)
 
-    # Query: rope rows take each head's share conj(a) of the shared key; NoPE rows are the source
-    # query, times conj(μ) per pair when calibration measured the attention profile (the
-    # remainders then see the mean rotation instead of none).
+    # Query: rope rows take each head's share conj(a) of the shared key; NoPE rows see the remainders.
     q_scale = math.sqrt((d + R) / d)
     zq = rope.complex_pairs(src.q, N)  # [F, N, H]
     q_rope = mix.a[kept][:, group_of_head].conj()[:, :, None] * zq[kept]  # [R/2, N, H]
     q_rope = rope.interleave(q_rope.transpose(0, 1))  # [N, R, H]
-    q_nope = src.q
-    if stats.rotation_mean is not None:
-        q_nope = rope.real_rows(stats.rotation_mean.T.conj()[:, :, None] * zq)
+    q_nope = nope_query(src.q, shape, stats)
     q_proj = torch.cat([q_nope.reshape(N, d, -1), q_rope], dim=1).reshape(N * (d + R), -1) * q_scale
 
     kv_a = torch.cat([tiny.beta * lat.down, rope.interleave(shared)], dim=0)

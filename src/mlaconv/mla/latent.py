@@ -65,11 +65,16 @@ def factor(target: torch.Tensor, row_weight: torch.Tensor, metric: torch.Tensor,
 
     row_weight [m, m] (or [m] for a diagonal) must be invertible on the rows that carry energy.
     """
-    weighted = (row_weight[:, None] * target) if row_weight.dim() == 1 else row_weight @ target
+    weighted = weigh(row_weight, target)
     spec = spec if spec is not None else spectrum(weighted, metric)
     down = spec.vectors[:, :rank].T @ weighted  # [r, H]
     up = least_squares_up(target, down, metric)
     return Latent(down=down, up=up, energy=spec.energy(rank))
+
+
+def weigh(row_weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """row_weight·target for a diagonal (vector) or full row weight."""
+    return row_weight @ target if row_weight.dim() == 2 else row_weight[:, None] * target
 
 
 def least_squares_up(target: torch.Tensor, down: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+PRIOR_POWER = 0.5  # data-free attention profile ∝ (1 + Δ)^-0.5, see prior_rotation_mean
+
 
 def complex_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
     """[heads·d, H] rotate-half rows → [F, heads, H] complex rows (pair j = rows j and j + d/2)."""
@@ -74,14 +76,19 @@ def head_mix(gram: torch.Tensor, head_weights: torch.Tensor | None = None) -> He
     return HeadMix(a=a * norm, b=b / norm, energies=energies)
 
 
-def rotation_loss_weight(freqs: torch.Tensor, context: int) -> torch.Tensor:
-    """E|e^{iΔω} − 1|² for Δ uniform on [0, context): how much losing the rotation costs per frequency.
+def prior_rotation_mean(freqs: torch.Tensor, window: int, power: float = PRIOR_POWER) -> torch.Tensor:
+    """μ_j = E[e^{-iΔω_j}] under a data-free attention profile → [F] complex128.
 
-    About 2 for fast frequencies, (context·ω)²/3 for frequencies that barely turn within the context.
+    Each query at position m < window attends to distance Δ ≤ m with weight ∝ (1 + Δ)^-power:
+    attention is mostly local but keeps a long tail (attention sinks sit at every distance). Used
+    where no calibration measured the real profile.
     """
-    x = freqs.to(torch.float64) * context
-    sinc = torch.where(x.abs() < 1e-8, torch.ones_like(x), torch.sin(x) / x)
-    return 2.0 * (1.0 - sinc)
+    distance = torch.arange(window, dtype=torch.float64)
+    weight = (1 + distance) ** -power
+    # Σ over query positions m ≥ Δ of weight(Δ) / Σ_{Δ' ≤ m} weight(Δ'), averaged over the window.
+    per_query = (1 / weight.cumsum(0)).flip(0).cumsum(0).flip(0)
+    profile = weight * per_query / window  # [window], sums to 1
+    return (profile.to(torch.complex128)[:, None] * torch.exp(-1j * distance[:, None] * freqs[None, :])).sum(0)
 
 
 def strides(head_dim: int, rope_dim: int) -> list[int]:

@@ -154,3 +154,15 @@ def test_calibration_tokens_from_text_and_bad_input(tiny_model, tmp_path):
     write_tokens(tmp_path / "ok.jsonl", random_tokens(3, 70, 96, seed=6))
     windows = load_calibration_tokens(src, spec, [str(tmp_path / "ok.jsonl")], None, 64, 32)
     assert windows.shape == (2, 32)
+
+
+def test_kv_keep_split_is_chosen_by_measured_error(tiny_model, tmp_path):
+    src = tiny_model(kv_heads=2, head_dim=32, hidden=128, heads=4)
+    write_tokens(tmp_path / "calib.jsonl", random_tokens(8, 48, 96, seed=8))
+    report = convert(str(src), tmp_path / "out", ConvertOptions(kv_keep=0.5, verify=False, calib_window=48,
+                                                                calib=[str(tmp_path / "calib.jsonl")]))
+    table = report["shape_search"]["candidates"]
+    assert len(table) >= 2 and all(row["kv_lora_rank"] + row["qk_rope_head_dim"] <= 64 for row in table)
+    best = min(table, key=lambda row: row["mean_attention_error"])
+    assert (report["kv_lora_rank"], report["qk_rope_head_dim"]) == (best["kv_lora_rank"], best["qk_rope_head_dim"])
+    assert "least mean attention error" in report["shape_choice"]

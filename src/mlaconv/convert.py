@@ -38,6 +38,7 @@ TOKENIZER_FILES = (
     "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
 )
 DEFAULT_ROPE_DIM = 64
+SEARCH_WINDOWS = 8  # calibration windows the --kv-keep split search measures on
 
 
 @dataclass
@@ -129,6 +130,24 @@ def plan_shapes(spec: SourceSpec, rank: int | None, kv_keep: float | None, rope_
             f"(min of hidden {spec.hidden_size} and 2·{spec.num_kv_heads}·{d} − {R} rope dims)"
         )
     return Shapes(rank=rank, rope_dim=R, reason="rank given")
+
+
+def shape_candidates(spec: SourceSpec, kv_keep: float) -> list[Shapes]:
+    """The (r, R) splits of a --kv-keep budget that calibration compares.
+
+    R ∈ {8, 16, 32, 64, 128} up to head_dim and half the budget; r fills the rest, rounded down to a
+    multiple of 16 (tile-aligned for MLA kernels) once it is 64 or more, and capped at the full rank.
+    """
+    budget = int(math.floor(kv_keep * spec.kv_elements_per_token_per_layer + 1e-9))
+    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    default = plan_shapes(spec, None, kv_keep, None)
+    candidates = {default.rope_dim: default}
+    for R in (8, 16, 32, 64, 128):
+        if R <= min(spec.head_dim, budget // 2) and R not in candidates:
+            r = budget - R
+            r = min(r - r % 16 if r >= 64 else r, full_rank(shape, R))
+            candidates[R] = Shapes(rank=r, rope_dim=R, reason="")
+    return [candidates[R] for R in sorted(candidates)]
 
 
 def output_dtype(spec: SourceSpec, requested: str | None) -> torch.dtype:
@@ -226,13 +245,50 @@ def with_rope_stride(plan: Plan, progress: Progress = no_progress) -> Plan:
     return replace(plan, layer=replace(plan.layer, rope_stride=stride))
 
 
-def calibration_streamer(plan: Plan, options: ConvertOptions) -> SourceStreamer | None:
-    """The layer-by-layer source forward over the calibration windows, when calibration was asked for."""
+def calibration_streamer(plan: Plan, options: ConvertOptions, windows: int | None = None) -> SourceStreamer | None:
+    """The layer-by-layer source forward over the calibration windows (the first ``windows`` of them),
+    when calibration was asked for."""
     if not options.calibrated:
         return None
     tokens = load_calibration_tokens(plan.folder, plan.spec, options.calib, options.calib_dataset,
-                                     options.calib_tokens, options.calib_window)
+                                     options.calib_tokens, options.calib_window)[:windows]
     return SourceStreamer(plan.reader, plan.spec, CalibrationOptions(tokens, options.device, options.calib_batch_size))
+
+
+def search_shapes(plan: Plan, options: ConvertOptions, progress: Progress = no_progress) -> tuple[Plan, dict]:
+    """Choose the (r, R) split of a --kv-keep budget by the attention error it measures on calibration data.
+
+    One streamed pass over a few calibration windows converts every layer at every candidate split
+    (``shape_candidates``) and sums the relative attention-output errors; the split with the least
+    total wins. Returns the plan with those shapes and the table behind the choice.
+    """
+    candidates = shape_candidates(plan.spec, options.kv_keep)
+    if len(candidates) == 1:
+        return plan, {"candidates": [], "chosen": None}
+    spec = plan.spec
+    layers = {}
+    for c in candidates:
+        candidate_plan = replace(plan, shapes=c, layer=replace(plan.layer, rank=c.rank, rope_dim=c.rope_dim))
+        layers[c] = with_rope_stride(candidate_plan).layer
+    streamer = calibration_streamer(plan, options, windows=SEARCH_WINDOWS)
+    freqs = rope.scaled_frequencies(spec.rope_theta, spec.head_dim, spec.rope_scaling)
+    errors = {c: 0.0 for c in candidates}
+    for i in progress(range(spec.num_layers), "choosing r and R", spec.num_layers):
+        src = read_attention(plan.reader, spec, i)
+        stats = streamer.stats(i, src)
+        for c, layer in layers.items():
+            mla, _ = convert_attention(src, plan.shape, calibrated_layer_options(layer), stats)
+            slots = freqs[rope.kept_frequencies(c.rope_dim, layer.rope_stride)]
+            errors[c] += streamer.attention_error(i, src, mla, c.rank, c.rope_dim, slots, layer.residual_scale)
+        streamer.advance(i, src)
+    best = min(candidates, key=lambda c: errors[c])
+    table = [{"kv_lora_rank": c.rank, "qk_rope_head_dim": c.rope_dim, "mean_attention_error": errors[c] / spec.num_layers}
+             for c in candidates]
+    reason = (f"{best.rank} + {best.rope_dim} of a budget of {int(options.kv_keep * spec.kv_elements_per_token_per_layer)}"
+              f" elements: the least mean attention error ({errors[best] / spec.num_layers:.4f}) of "
+              f"{len(candidates)} splits measured on {streamer.options.tokens.shape[0]} calibration windows")
+    chosen = Shapes(rank=best.rank, rope_dim=best.rope_dim, reason=reason)
+    return replace(plan, shapes=chosen, layer=layers[best]), {"candidates": table, "chosen": reason}
 
 
 def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = no_progress) -> dict:
@@ -244,6 +300,10 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     dtype = output_dtype(spec, options.dtype)
     check_output_target(out, folder, options.force)
     check_free_space(out.parent, _estimate_output_bytes(spec, shapes, dtype))
+    shape_search = None
+    if options.calibrated and options.kv_keep is not None and options.rope_dim is None:
+        plan, shape_search = search_shapes(plan, options, progress)
+        shapes = plan.shapes
     streamer = calibration_streamer(plan, options)
     plan = with_rope_stride(plan, progress)
     lopts, shape, alpha = plan.layer, plan.shape, plan.layer.residual_scale
@@ -299,6 +359,8 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
 
         source_id = None if Path(source).expanduser().exists() else source  # a hub id, not a local path
         report = _report(spec, shapes, config, reports, out, source_id, folder, dtype, alpha, options, copied)
+        if shape_search:
+            report["shape_search"] = shape_search
         if streamer:
             report["mode"] = "calibrated"
             report["calibration"] = {"windows": streamer.options.tokens.shape[0],

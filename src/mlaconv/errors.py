@@ -7,3 +7,7 @@ class MlaconvError(Exception):
     The CLI prints ``error: <message>`` and exits with status 1; anything else that escapes is a bug
     (reported as such, with the traceback under ``--debug``).
     """
+
+
+class MlaconvWarning(UserWarning):
+    """Something the user should know that does not stop the run; the CLI prints it as one ``warning:`` line."""

@@ -1,28 +1,31 @@
 """Finding a source checkpoint and reading its tensors lazily, one at a time.
 
 A source is a local folder or a Hugging Face hub id resolved through the local cache (so it works
-offline). Tensors come from safetensors files (single or sharded with an index) opened memory-mapped,
-at most one shard open at a time; ``.bin`` checkpoints load only with ``torch.load(weights_only=True)``.
+offline). Tensors come from safetensors files (single or sharded with an index), read one at a time
+at the offsets their headers give; ``.bin`` checkpoints load only with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import pickle
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from mlaconv.errors import MlaconvError
+from mlaconv.errors import MlaconvError, MlaconvWarning
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
-_SAFETENSORS_DTYPES = {
+_MAX_HEADER_BYTES = 100_000_000  # the safetensors limit
+SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
@@ -79,32 +82,31 @@ def read_config(folder: Path) -> dict:
 class CheckpointReader:
     """Lazy, read-only access to the tensors of a checkpoint folder.
 
-    Only the tensor asked for is read; at most one safetensors shard is open at a time (opening is
-    a memory map, so switching shards is cheap). Shapes and dtypes come from the headers alone.
+    Only the tensor asked for is read, with plain file reads at the offsets of the safetensors
+    header (no memory map, so a large shard adds nothing to the resident memory but the tensor).
+    Shapes and dtypes come from the headers alone, which are checked against each file's size.
+    Every floating-point tensor read is checked for NaN and Inf.
     """
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.format, self._file_of = _index_weights(self.folder)
-        self._open_path: Path | None = None
-        self._open_handle = None
+        self._entries: dict[str, _Entry] = {}
         self._bin_state: dict[str, torch.Tensor] | None = None
         self._bin_path: Path | None = None
-        self._headers: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         if self.format == "safetensors":
             for path in sorted(set(self._file_of.values())):
-                handle = self._open(path)
-                for name in handle.keys():
+                for name, entry in read_safetensors_header(path).items():
                     if self._file_of.get(name) == path:
-                        sl = handle.get_slice(name)
-                        dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
-                        if dtype is None:
-                            raise MlaconvError(f"{path.name}: tensor {name} has unsupported dtype {sl.get_dtype()}")
-                        self._headers[name] = (tuple(sl.get_shape()), dtype)
-            missing = set(self._file_of) - set(self._headers)
+                        self._entries[name] = entry
+            missing = set(self._file_of) - set(self._entries)
             if missing:
                 name = sorted(missing)[0]
                 raise MlaconvError(f"the index lists {name} in {self._file_of[name].name}, but that file lacks it")
+        else:
+            warnings.warn(MlaconvWarning(
+                f"{self.folder} holds pickle weights (.bin): loading them with torch.load(weights_only=True), which "
+                "refuses anything but tensors; prefer safetensors"), stacklevel=2)
 
     @property
     def names(self) -> list[str]:
@@ -115,44 +117,30 @@ class CheckpointReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         if self.format == "safetensors":
-            return self._headers[self._known(name)][0]
-        return tuple(self.get(name).shape)
+            return self._entries[self._known(name)].shape
+        return tuple(self._bin_tensor(name).shape)
 
     def dtype(self, name: str) -> torch.dtype:
         if self.format == "safetensors":
-            return self._headers[self._known(name)][1]
-        return self.get(name).dtype
+            return self._entries[self._known(name)].dtype
+        return self._bin_tensor(name).dtype
 
     def nbytes(self) -> int:
         """Total bytes of all tensors, from the headers."""
-        total = 0
-        for name in self._file_of:
-            shape, dtype = (self._headers[name] if self.format == "safetensors" else (self.shape(name), self.dtype(name)))
-            n = 1
-            for s in shape:
-                n *= s
-            total += n * torch.empty((), dtype=dtype).element_size()
-        return total
+        return sum(math.prod(self.shape(name)) * _element_size(self.dtype(name)) for name in self._file_of)
 
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor into memory (a fresh CPU tensor the caller owns)."""
-        path = self._file_of[self._known(name)]
         if self.format == "safetensors":
-            try:
-                return self._open(path).get_tensor(name).clone()
-            except Exception as exc:  # safetensors raises its own error types for bad data
-                raise MlaconvError(f"{path.name}: cannot read tensor {name}: {exc}") from None
-        if self._bin_path != path:
-            self._bin_state = _load_bin(path)
-            self._bin_path = path
-        assert self._bin_state is not None
-        if name not in self._bin_state:
-            raise MlaconvError(f"the index lists {name} in {path.name}, but that file lacks it")
-        return self._bin_state[name].clone()
+            tensor = _read_tensor(self._entries[self._known(name)], name)
+        else:
+            tensor = self._bin_tensor(name).clone()
+        if tensor.is_floating_point() and tensor.element_size() > 1 and not _all_finite(tensor):
+            raise MlaconvError(f"tensor {name} in {self._file_of[name].name} contains NaN or Inf; the checkpoint is "
+                               "damaged (download it again, or fix the training run that wrote it)")
+        return tensor
 
     def close(self) -> None:
-        self._open_handle = None
-        self._open_path = None
         self._bin_state = None
         self._bin_path = None
 
@@ -161,15 +149,90 @@ class CheckpointReader:
             raise MlaconvError(f"the checkpoint in {self.folder} has no tensor {name}")
         return name
 
-    def _open(self, path: Path):
-        if self._open_path != path:
-            self._open_handle = None
-            try:
-                self._open_handle = safe_open(str(path), framework="pt")
-            except Exception as exc:
-                raise MlaconvError(f"{path.name} is not a readable safetensors file (truncated or corrupt?): {exc}") from None
-            self._open_path = path
-        return self._open_handle
+    def _bin_tensor(self, name: str) -> torch.Tensor:
+        """A tensor of a pickle checkpoint, still backed by its memory-mapped file."""
+        path = self._file_of[self._known(name)]
+        if self._bin_path != path:
+            self._bin_state = _load_bin(path)
+            self._bin_path = path
+        assert self._bin_state is not None
+        if name not in self._bin_state:
+            raise MlaconvError(f"the index lists {name} in {path.name}, but that file lacks it")
+        return self._bin_state[name]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """Where one tensor lives in a safetensors file."""
+
+    path: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+def read_safetensors_header(path: Path) -> dict[str, _Entry]:
+    """The tensors of a safetensors file, from its header, checked against the file's size."""
+
+    def corrupt(why: str) -> MlaconvError:
+        return MlaconvError(f"{path} is not a readable safetensors file: {why}; download or copy it again")
+
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise corrupt(f"it has only {size} bytes")
+        length = int.from_bytes(prefix, "little")
+        if length > min(size - 8, _MAX_HEADER_BYTES):
+            raise corrupt(f"its header claims {length} bytes and the file has {size} (truncated?)")
+        try:
+            header = json.loads(handle.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise corrupt("its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a JSON object")
+    header.pop("__metadata__", None)
+    entries: dict[str, _Entry] = {}
+    data_end = 0
+    for name, info in header.items():
+        try:
+            dtype_name = info["dtype"]
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise corrupt(f"the header entry of {name} is malformed") from None
+        dtype = SAFETENSORS_DTYPES.get(dtype_name)
+        if dtype is None:
+            raise MlaconvError(f"{path.name}: tensor {name} has unsupported dtype {dtype_name}")
+        if begin < 0 or min(shape, default=0) < 0 or end - begin != math.prod(shape) * _element_size(dtype):
+            raise corrupt(f"the offsets of {name} do not match its shape")
+        entries[name] = _Entry(path, shape, dtype, 8 + length + begin, end - begin)
+        data_end = max(data_end, end)
+    if 8 + length + data_end > size:
+        raise corrupt(f"it is truncated ({size} bytes; its header describes {8 + length + data_end})")
+    return entries
+
+
+def _read_tensor(entry: _Entry, name: str) -> torch.Tensor:
+    if not entry.nbytes:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    buffer = bytearray(entry.nbytes)
+    with open(entry.path, "rb") as handle:
+        handle.seek(entry.offset)
+        if handle.readinto(buffer) != entry.nbytes:
+            raise MlaconvError(f"{entry.path} ended inside tensor {name} (was it truncated while mlaconv ran?)")
+    return torch.frombuffer(buffer, dtype=entry.dtype).reshape(entry.shape)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _all_finite(tensor: torch.Tensor, chunk: int = 2**24) -> bool:
+    """No NaN or Inf, checked in chunks (a mask of the whole tensor would be as large as the tensor)."""
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(flat[start:start + chunk]).all()) for start in range(0, flat.numel(), chunk))
 
 
 def _index_weights(folder: Path) -> tuple[str, dict[str, Path]]:
@@ -180,15 +243,7 @@ def _index_weights(folder: Path) -> tuple[str, dict[str, Path]]:
     single = folder / "model.safetensors"
     files = [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
     if files:
-        mapping: dict[str, Path] = {}
-        for path in files:
-            try:
-                with safe_open(str(path), framework="pt") as handle:
-                    for name in handle.keys():
-                        mapping[name] = path
-            except Exception as exc:
-                raise MlaconvError(f"{path.name} is not a readable safetensors file (truncated or corrupt?): {exc}") from None
-        return "safetensors", mapping
+        return "safetensors", {name: path for path in files for name in read_safetensors_header(path)}
     bin_index = folder / BIN_INDEX
     if bin_index.is_file():
         return "bin", _read_index(bin_index)
@@ -201,7 +256,7 @@ def _index_weights(folder: Path) -> tuple[str, dict[str, Path]]:
 def _read_index(index: Path) -> dict[str, Path]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
         raise MlaconvError(f"{index.name} is not a valid weight index: {exc}") from None
     mapping = {name: index.parent / file for name, file in weight_map.items()}
     for path in sorted(set(mapping.values())):
@@ -211,14 +266,19 @@ def _read_index(index: Path) -> dict[str, Path]:
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    warnings.warn(
-        f"{path.name} is a pickle checkpoint: loading it with torch.load(weights_only=True); prefer safetensors",
-        stacklevel=3,
-    )
+    """A pickle state dict, loaded memory-mapped with ``weights_only=True`` (no code runs)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        called = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        raise MlaconvError(
+            f"{path.name} is refused: it is a pickle that holds more than tensors"
+            f"{f' (it would call {called.group(1)})' if called else ''}; mlaconv loads .bin files only with "
+            "torch.load(weights_only=True), so nothing in them runs — get a safetensors copy from a source you trust"
+        ) from None
     except Exception as exc:
-        raise MlaconvError(f"{path.name} cannot be loaded safely (weights_only=True refused it or it is corrupt): {exc}") from None
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise MlaconvError(f"{path.name} cannot be loaded (truncated or corrupt?): {first_line}") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise MlaconvError(f"{path.name} is not a state dict of tensors")
     return state

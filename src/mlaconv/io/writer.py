@@ -14,14 +14,16 @@ import shutil
 import signal
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 import torch
-from safetensors.torch import save_file
 
 from mlaconv.errors import MlaconvError
+from mlaconv.io.source import SAFETENSORS_DTYPES
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
+HEADER_RESERVE = 64 * 2**10  # bytes kept for a shard's header: ~400 tensor entries
+_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 _TMP_TAG = ".mlaconv-tmp-"
 _OLD_TAG = ".mlaconv-old-"
 
@@ -93,15 +95,21 @@ def atomic_output_dir(out: Path, force: bool = False) -> Iterator[Path]:
     out = Path(out)
     if out.exists() and not force:
         raise MlaconvError(f"{out} already exists; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sweep_stale_temporaries(out)
     tmp = out.parent / f".{out.name}{_TMP_TAG}{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    with _sigterm_as_interrupt():
+    with _sigterm_as_interrupt():  # before the folder exists, so that no SIGTERM can strand it
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            sweep_stale_temporaries(out)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as exc:
+            raise MlaconvError(f"cannot create the output folder {out}: {exc.strerror or exc}") from exc
         try:
             yield tmp
+        except OSError as exc:  # a full disk, a vanished file: the environment, not a bug
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise MlaconvError(f"{exc.strerror or exc}: {exc.filename or out}; nothing was written to {out}") from exc
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -117,49 +125,83 @@ def atomic_output_dir(out: Path, force: bool = False) -> Iterator[Path]:
 class ShardedWriter:
     """Stream tensors into safetensors shards of at most ``max_shard_bytes`` and index them.
 
-    Shards are written as soon as they fill, so at most one shard's worth of tensors is held.
-    Names follow Hugging Face: ``model-00001-of-00003.safetensors`` plus
-    ``model.safetensors.index.json`` (written even for a single shard).
+    Each tensor goes to disk as it is added, so the writer holds no tensors, whatever the shard size:
+    a shard's data is written after ``header_reserve`` bytes kept for its header, which is filled in
+    (padded with spaces, as safetensors does) when the shard closes; a header that outgrows the
+    reserve moves the shard's data once. Names follow Hugging Face:
+    ``model-00001-of-00003.safetensors`` plus ``model.safetensors.index.json`` (even for one shard).
     """
 
-    def __init__(self, folder: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES):
+    def __init__(self, folder: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES, header_reserve: int = HEADER_RESERVE):
         if max_shard_bytes <= 0:
             raise MlaconvError("the shard size must be positive")
         self.folder = Path(folder)
         self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
+        self.header_reserve = -(-header_reserve // 8) * 8
+        self._file: BinaryIO | None = None
+        self._entries: dict[str, dict] = {}  # header entries of the open shard, in file order
+        self._data_bytes = 0  # data written to the open shard
         self._shards: list[list[str]] = []
+        self._names: set[str] = set()
         self._total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._pending or any(name in shard for shard in self._shards):
+        """Write ``tensor`` to the current shard now (the caller may reuse or change it afterwards)."""
+        if name in self._names:
             raise ValueError(f"tensor {name} written twice")
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"tensor {name} has dtype {tensor.dtype}, which safetensors cannot store")
         tensor = tensor.detach().to("cpu").contiguous()
         size = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
-            self._flush()
-        self._pending[name] = tensor
-        self._pending_bytes += size
+        if self._file is not None and self._entries and self._data_bytes + size > self.max_shard_bytes:
+            self._close_shard()
+        if self._file is None:
+            self._file = open(self._partial(len(self._shards) + 1), "wb")
+            self._file.seek(8 + self.header_reserve)
+        if size:
+            self._file.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+        self._entries[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                               "data_offsets": [self._data_bytes, self._data_bytes + size]}
+        self._data_bytes += size
+        self._names.add(name)
         self._total_bytes += size
 
-    def _flush(self) -> None:
-        if not self._pending:
-            return
-        number = len(self._shards) + 1
-        save_file(self._pending, str(self.folder / f"model-{number:05d}.partial.safetensors"), metadata={"format": "pt"})
-        self._shards.append(list(self._pending))
-        self._pending = {}
-        self._pending_bytes = 0
+    def _partial(self, number: int) -> Path:
+        return self.folder / f"model-{number:05d}.partial.safetensors"
+
+    def _close_shard(self) -> None:
+        assert self._file is not None
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self._entries}, separators=(",", ":")).encode()
+        if len(header) <= self.header_reserve:
+            self._file.seek(0)
+            self._file.write(len(header.ljust(self.header_reserve)).to_bytes(8, "little"))
+            self._file.write(header.ljust(self.header_reserve))
+            self._file.close()
+        else:  # the header outgrew its reserve: rewrite the shard with the data moved up
+            self._file.close()
+            path = self._partial(len(self._shards) + 1)
+            moved = path.with_suffix(".moving")
+            padded = header.ljust(-(-len(header) // 8) * 8)
+            with open(path, "rb") as old, open(moved, "wb") as new:
+                new.write(len(padded).to_bytes(8, "little"))
+                new.write(padded)
+                old.seek(8 + self.header_reserve)
+                shutil.copyfileobj(old, new, 64 * 2**20)
+            os.replace(moved, path)
+        self._shards.append(list(self._entries))
+        self._file = None
+        self._entries = {}
+        self._data_bytes = 0
 
     def finish(self) -> dict:
-        """Write the last shard, give shards their final names, write and return the index."""
-        self._flush()
+        """Close the last shard, give shards their final names, write and return the index."""
+        if self._file is not None:
+            self._close_shard()
         count = len(self._shards)
         weight_map: dict[str, str] = {}
         for number, names in enumerate(self._shards, start=1):
             final = f"model-{number:05d}-of-{count:05d}.safetensors"
-            os.replace(self.folder / f"model-{number:05d}.partial.safetensors", self.folder / final)
+            os.replace(self._partial(number), self.folder / final)
             weight_map.update({name: final for name in names})
         index = {"metadata": {"total_size": self._total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

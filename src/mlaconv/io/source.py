@@ -229,10 +229,12 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _all_finite(tensor: torch.Tensor, chunk: int = 2**24) -> bool:
-    """No NaN or Inf, checked in chunks (a mask of the whole tensor would be as large as the tensor)."""
-    flat = tensor.reshape(-1)
-    return all(bool(torch.isfinite(flat[start:start + chunk]).all()) for start in range(0, flat.numel(), chunk))
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or Inf: min and max in one reduction (NaN propagates to both), no mask as large as the tensor."""
+    if not tensor.numel():
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
 def _index_weights(folder: Path) -> tuple[str, dict[str, Path]]:

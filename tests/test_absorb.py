@@ -176,3 +176,11 @@ def test_a_latent_outside_the_tiny_regime_is_refused(converted, tmp_path):
     with pytest.raises(MlaconvError, match="layer 0: kv_a_layernorm is not a linear map"):
         write_absorbed(copy)
     assert not (copy / "absorbed").exists()
+
+
+def test_convert_absorbed_flag_writes_the_artefact(stories, tmp_path):
+    from mlaconv.convert import ConvertOptions, convert
+
+    report = convert(str(stories), tmp_path / "out", ConvertOptions(rank=16, verify=False, absorbed=True))
+    assert (tmp_path / "out" / "absorbed" / "absorbed.json").is_file()
+    assert report["absorbed"]["tensors"] > 0 and report["absorbed"]["max_relative_nonlinearity"] < 1e-5

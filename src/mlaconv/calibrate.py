@@ -140,6 +140,24 @@ class SourceStreamer:
                 total += reference.double().pow(2).sum().item()
         return error / total if total > 0 else 0.0
 
+    def refinement_data(self, i: int, attention: SourceAttention, windows: int):
+        """(x, source attention output) pairs [B, S, H] for refining layer i: up to ``windows`` training
+        windows after the profiling windows, and the profiling windows themselves held out. None when
+        the calibration set has no windows beyond the held-out ones."""
+        if i != self.next_layer:
+            raise RuntimeError(f"calibration is at layer {self.next_layer}, asked for layer {i}")
+        held = min(self.options.profile_windows, self.hidden.shape[0])
+        if self.hidden.shape[0] <= held:
+            return None
+        weights = self._on_device(attention)
+
+        def pairs(hidden: torch.Tensor):
+            with torch.no_grad():
+                x = rms_norm(hidden.to(self.device), weights.input_norm, self.spec.rms_norm_eps).float()
+                return x, source_attention(x, weights, self.heads, self.angles)
+
+        return pairs(self.hidden[held : held + windows]), pairs(self.hidden[:held])
+
     def _on_device(self, attention: SourceAttention) -> SourceAttention:
         return SourceAttention(**{name: t.to(self.device, torch.float32) if t is not None else None
                                   for name, t in vars(attention).items()})

@@ -27,9 +27,10 @@ from mlaconv.io.writer import DEFAULT_SHARD_BYTES
 from mlaconv.model_card import write_model_card
 from mlaconv.progress import Progress, no_progress
 from mlaconv.mla import rope
-from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, SourceAttention,
-                                   convert_attention, full_rank, rope_stride_scores)
+from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, SourceAttention, assemble,
+                                   convert_attention, factor_attention, full_rank, rope_stride_scores)
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, LATENT_NORM_EPS
+from mlaconv.mla.refine import refine
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,6 +66,9 @@ class ConvertOptions:
     calib_batch_size: int = 4
     device: str = "cpu"
     layer_search: bool = True  # calibrated: keep, per layer, the variant with the least measured error
+    refine_steps: int = 0  # calibrated: gradient steps on each layer's attention error (0: closed form only)
+    refine_windows: int = 16  # calibration windows those steps train on (others are held out)
+    absorbed: bool = False  # also write the absorbed inference weights into OUT/absorbed
     recipe: str | None = None
     eval_text: str | None = None
     eval_dataset: str | None = None
@@ -325,7 +329,8 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         for i in progress(range(spec.num_layers), "converting layers", spec.num_layers):
             src = read_attention(reader, spec, i)
             if streamer:
-                mla, report = best_calibrated_layer(i, src, plan, streamer, options.layer_search)
+                mla, report = best_calibrated_layer(i, src, plan, streamer, options.layer_search,
+                                                    options.refine_steps, options.refine_windows)
                 streamer.advance(i, src, mla)
             else:
                 mla, report = convert_attention(src, shape, lopts)
@@ -374,6 +379,12 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             report["verify"] = None
         if options.evaluated:
             report["eval"] = _evaluate(tmp, folder, out, options, progress)
+        if options.absorbed:
+            from mlaconv.absorb import write_absorbed
+
+            manifest = write_absorbed(tmp, shard_size=options.shard_size)
+            report["absorbed"] = {"folder": str(out / "absorbed"), "tensors": len(manifest["tensors"]),
+                                  "max_relative_nonlinearity": manifest["latent_norm"]["max_relative_nonlinearity"]}
         report.update(options.extra_report)
         (tmp / "mlaconv.json").write_text(json.dumps(report, indent=2) + "\n")
         write_model_card(tmp, report)
@@ -414,21 +425,37 @@ def calibrated_candidates(layer: LayerOptions, search: bool) -> list[tuple[str, 
     ]
 
 
-def best_calibrated_layer(i: int, src: SourceAttention, plan: Plan, streamer: SourceStreamer, search: bool = True):
-    """Convert layer i each way ``calibrated_candidates`` lists; keep the one with the least measured
-    attention-output error on the calibration windows."""
+def best_calibrated_layer(i: int, src: SourceAttention, plan: Plan, streamer: SourceStreamer, search: bool = True,
+                          refine_steps: int = 0, refine_windows: int = 16):
+    """Convert layer i each way ``calibrated_candidates`` lists and keep the one with the least
+    attention-output error measured on the held-out calibration windows; then, with ``refine_steps``,
+    refine it by gradient steps on other calibration windows and keep that only if it measures better."""
     stats = streamer.stats(i, src)
     spec, layer = plan.spec, plan.layer
     freqs = rope.scaled_frequencies(spec.rope_theta, spec.head_dim, spec.rope_scaling)
     slots = freqs[rope.kept_frequencies(layer.rope_dim, layer.rope_stride)]
+
+    def measured(latent):
+        mla, bound = assemble(latent, plan.shape, layer, src.input_norm, stats.metric)
+        return mla, bound, streamer.attention_error(i, src, mla, layer.rank, layer.rope_dim, slots, layer.residual_scale)
+
     best = None
     for label, options, use_stats in calibrated_candidates(layer, search):
-        mla, report = convert_attention(src, plan.shape, options, stats if use_stats else None)
-        error = streamer.attention_error(i, src, mla, layer.rank, layer.rope_dim, slots, layer.residual_scale)
-        if best is None or error < best[1].attention_error:
-            report.attention_error, report.variant = error, label
-            best = (mla, report)
-    return best
+        latent, report = factor_attention(src, plan.shape, options, stats if use_stats else None)
+        mla, report.latent_bound, report.attention_error = measured(latent)
+        report.variant = label
+        if best is None or report.attention_error < best[2].attention_error:
+            best = (latent, mla, report)
+    latent, mla, report = best
+    data = streamer.refinement_data(i, src, refine_windows) if refine_steps else None
+    if data is not None:
+        result = refine(latent, plan.shape, layer.rope_dim, slots, *data, steps=refine_steps)
+        if result.after < result.before:
+            refined_mla, bound, error = measured(result.latent)
+            if error < report.attention_error:
+                mla, report.latent_bound, report.attention_error = refined_mla, bound, error
+                report.variant += ", refined"
+    return mla, report
 
 
 def global_rope_stride(reader: CheckpointReader, spec: SourceSpec, shape: AttentionShape, lopts: LayerOptions,

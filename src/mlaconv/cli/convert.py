@@ -35,6 +35,8 @@ def convert(
     verify_window: Optional[int] = typer.Option(None, "--verify-window", help="Tokens per check window (default 128)."),
     allow_sliding_window: Optional[bool] = typer.Option(None, "--allow-sliding-window", help="Convert a sliding-window model with full attention."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision when SRC is a hub id."),
+    absorbed: Optional[bool] = typer.Option(None, "--absorbed", help="Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to OUT/absorbed."),
+    refine_steps: Optional[int] = typer.Option(None, "--refine-steps", help="With calibration: gradient steps per layer on its measured attention error (default 0)."),
     eval_text: Optional[str] = typer.Option(None, "--eval-text", help="After converting, run `mlaconv eval perplexity` on this text file against the source."),
     eval_dataset: Optional[str] = typer.Option(None, "--eval-dataset", help="… or on this dataset (wikitext = WikiText-2 raw test)."),
     eval_tokens: Optional[str] = typer.Option(None, "--eval-tokens", help="… or on these token ids (JSON lines of input_ids)."),
@@ -57,7 +59,7 @@ def convert(
             "verify_windows": verify_windows, "verify_window": verify_window,
             "allow_sliding_window": allow_sliding_window, "revision": revision, "eval_text": eval_text,
             "eval_dataset": eval_dataset, "eval_tokens": eval_tokens, "eval_window": eval_window,
-            "eval_max_windows": eval_max_windows,
+            "eval_max_windows": eval_max_windows, "absorbed": absorbed, "refine_steps": refine_steps,
         }
         settings = {key: value for key, value in given.items() if value is not None}
         if recipe is not None:

@@ -268,63 +268,68 @@ def _as_float64(src: SourceAttention) -> SourceAttention:
     return SourceAttention(**{name: (t.to(torch.float64) if t is not None else None) for name, t in vars(src).items()})
 
 
-def convert_attention(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
-                      stats: LayerStats | None = None) -> tuple[MLAAttention, LayerReport]:
-    """Convert one layer; all inputs are cast to float64 first."""
+@dataclass
+class LatentAttention:
+    """One converted layer in its compact, linear form (before the tiny-latent norm and GQA expansion).
+
+    Scores are (q_nope·k_nope + rot(q_rope)·rot(k_rope))·(d+R)^-½ with k_nope = up_k·c, v = up_v·c,
+    c = down·x; the query rows already carry the √((d+R)/d) scale change. Weights are in source
+    units (no residual rescale).
+    """
+
+    q_nope: torch.Tensor  # [N·d, H]
+    q_rope: torch.Tensor  # [N·R, H], interleaved pairs
+    down: torch.Tensor  # A [r, H]
+    k_rope: torch.Tensor  # [R, H], interleaved pairs (the shared rotated key κ)
+    up_k: torch.Tensor  # [n_kv·d, r]
+    up_v: torch.Tensor  # [n_kv·d, r]
+    o: torch.Tensor  # [H, N·d]
+    k_rope_bias: torch.Tensor | None = None  # [R]
+    o_bias: torch.Tensor | None = None  # [H], W_o·b_v (+ the source's o bias)
+
+    def trainable(self) -> dict[str, torch.Tensor]:
+        return {"q_nope": self.q_nope, "q_rope": self.q_rope, "down": self.down, "k_rope": self.k_rope,
+                "up_k": self.up_k, "up_v": self.up_v}
+
+
+def factor_attention(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
+                     stats: LayerStats | None = None) -> tuple[LatentAttention, LayerReport]:
+    """Steps 1–4 of the conversion: the compact linear MLA layer and what it kept (float64)."""
     src = _as_float64(src)
     stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options)
     N, G, d, R, r = shape.heads, shape.kv_heads, shape.head_dim, options.rope_dim, options.rank
     group_of_head = torch.arange(N) // shape.group
 
     layer = analyse_layer(src, shape, options, stats)
-    mix, choice, shared, k_nope, spec = layer.mix, layer.choice, layer.shared, layer.k_nope, layer.spectrum
+    mix, choice, k_nope, spec = layer.mix, layer.choice, layer.k_nope, layer.spectrum
     kept = choice.frequencies
     lat = latent_math.factor(layer.target, layer.row_weight, stats.metric, r, spec)
     up_k, up_v = lat.up[: G * d], lat.up[G * d :]
-    key_error = latent_math.relative_error(k_nope, up_k @ lat.down, stats.metric)
-    value_error = latent_math.relative_error(src.v, up_v @ lat.down, stats.metric)
-
-    typical_rms = math.sqrt(max(torch.einsum("ij,jk,ik->", lat.down, stats.metric, lat.down).item(), 0.0) / r)
-    tiny = tiny_latent(lat.down, src.input_norm, typical_rms, delta=options.delta)
 
     # Query: rope rows take each head's share conj(a) of the shared key; NoPE rows see the remainders.
     q_scale = math.sqrt((d + R) / d)
     zq = rope.complex_pairs(src.q, N)  # [F, N, H]
     q_rope = mix.a[kept][:, group_of_head].conj()[:, :, None] * zq[kept]  # [R/2, N, H]
-    q_rope = rope.interleave(q_rope.transpose(0, 1))  # [N, R, H]
-    q_nope = nope_query(src.q, shape, stats)
-    q_proj = torch.cat([q_nope.reshape(N, d, -1), q_rope], dim=1).reshape(N * (d + R), -1) * q_scale
+    q_rope = rope.interleave(q_rope.transpose(0, 1)).reshape(N * R, -1)  # [N·R, H]
 
-    kv_a = torch.cat([tiny.beta * lat.down, rope.interleave(shared)], dim=0)
-    kv_b = torch.stack([up_k.reshape(G, d, r), up_v.reshape(G, d, r)], dim=1)  # [G, 2, d, r]
-    kv_b = kv_b[group_of_head].reshape(N * 2 * d, r) * tiny.up_scale
-
+    k_rope_bias = o_bias = None
     dropped: list[str] = []
-    kv_a_bias = None
     if src.k_bias is not None:
         zb = rope.complex_pairs(src.k_bias[:, None], G)[..., 0]  # [F, n_kv]
-        rope_bias = (mix.b[kept] * zb[kept]).sum(-1)  # κ's bias per slot
-        kv_a_bias = torch.cat([torch.zeros(r, dtype=torch.float64), rope.interleave(rope_bias[:, None])[:, 0]])
+        k_rope_bias = rope.interleave((mix.b[kept] * zb[kept]).sum(-1)[:, None])[:, 0]  # κ's bias per slot
         # The remainder of the key bias only adds q·b to every score of a query: softmax drops it exactly.
     if src.q_bias is not None and src.q_bias.abs().max() > 0:
         dropped.append("q_proj.bias")  # DeepSeek-V3's q_proj has no bias in any stack
-    o_bias = None
     if src.v_bias is not None or src.o_bias is not None:
         o_bias = torch.zeros(src.o.shape[0], dtype=torch.float64)
         if src.v_bias is not None:  # Σ softmax = 1, so a value bias adds W_o·b_v to the output
             o_bias += src.o @ src.v_bias.reshape(G, d)[group_of_head].reshape(N * d)
         if src.o_bias is not None:
             o_bias += src.o_bias
-        o_bias *= options.residual_scale
 
-    mla = MLAAttention(
-        q_proj=q_proj,
-        kv_a_proj=kv_a,
-        kv_a_norm=torch.full((r,), tiny.norm_weight, dtype=torch.float64),
-        kv_b_proj=kv_b,
-        o_proj=src.o * options.residual_scale,
-        kv_a_bias=kv_a_bias,
-        o_bias=o_bias,
+    latent = LatentAttention(
+        q_nope=nope_query(src.q, shape, stats) * q_scale, q_rope=q_rope * q_scale, down=lat.down,
+        k_rope=rope.interleave(layer.shared), up_k=up_k, up_v=up_v, o=src.o, k_rope_bias=k_rope_bias, o_bias=o_bias,
     )
     report = LayerReport(
         energy_retained=lat.energy,
@@ -332,10 +337,45 @@ def convert_attention(src: SourceAttention, shape: AttentionShape, options: Laye
         rope_energy_kept_per_frequency=choice.energy_kept_per_frequency,
         rope_loss_weighted_kept=choice.loss_weighted_kept,
         rope_stride=choice.stride,
-        key_error=key_error,
-        value_error=value_error,
-        latent_bound=tiny.bound,
+        key_error=latent_math.relative_error(k_nope, up_k @ lat.down, stats.metric),
+        value_error=latent_math.relative_error(src.v, up_v @ lat.down, stats.metric),
+        latent_bound=float("nan"),
         spectrum=spec.values.tolist(),
         dropped_bias=dropped,
     )
+    return latent, report
+
+
+def assemble(latent: LatentAttention, shape: AttentionShape, options: LayerOptions, gamma: torch.Tensor,
+             metric: torch.Tensor) -> tuple[MLAAttention, float]:
+    """Step 5: the stock DeepSeek-V3 tensors — tiny latent behind ``kv_a_layernorm``, GQA groups expanded,
+    the residual rescale on o_proj. Returns them and the proven bound on mean(c'²)/ε."""
+    N, G, d, R, r = shape.heads, shape.kv_heads, shape.head_dim, options.rope_dim, options.rank
+    group_of_head = torch.arange(N) // shape.group
+    down = latent.down.to(torch.float64)
+    typical_rms = math.sqrt(max(torch.einsum("ij,jk,ik->", down, metric, down).item(), 0.0) / r)
+    tiny = tiny_latent(down, gamma.to(torch.float64), typical_rms, delta=options.delta)
+    q_proj = torch.cat([latent.q_nope.reshape(N, d, -1), latent.q_rope.reshape(N, R, -1)], dim=1)
+    kv_b = torch.stack([latent.up_k.reshape(G, d, r), latent.up_v.reshape(G, d, r)], dim=1)  # [G, 2, d, r]
+    kv_a_bias = None
+    if latent.k_rope_bias is not None:
+        kv_a_bias = torch.cat([torch.zeros(r, dtype=torch.float64), latent.k_rope_bias.to(torch.float64)])
+    mla = MLAAttention(
+        q_proj=q_proj.reshape(N * (d + R), -1).to(torch.float64),
+        kv_a_proj=torch.cat([tiny.beta * down, latent.k_rope.to(torch.float64)], dim=0),
+        kv_a_norm=torch.full((r,), tiny.norm_weight, dtype=torch.float64),
+        kv_b_proj=kv_b[group_of_head].reshape(N * 2 * d, r).to(torch.float64) * tiny.up_scale,
+        o_proj=latent.o.to(torch.float64) * options.residual_scale,
+        kv_a_bias=kv_a_bias,
+        o_bias=None if latent.o_bias is None else latent.o_bias.to(torch.float64) * options.residual_scale,
+    )
+    return mla, tiny.bound
+
+
+def convert_attention(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
+                      stats: LayerStats | None = None) -> tuple[MLAAttention, LayerReport]:
+    """Convert one layer (steps 1–5); all inputs are cast to float64 first."""
+    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options)
+    latent, report = factor_attention(src, shape, options, stats)
+    mla, report.latent_bound = assemble(latent, shape, options, src.input_norm, stats.metric)
     return mla, report

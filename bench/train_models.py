@@ -1,0 +1,346 @@
+"""Train the bench's small real models, and sample stories260K calibration ids.
+
+    python bench/train_models.py llama              # → bench/_work/models/llama-docs
+    python bench/train_models.py qwen2              # → bench/_work/models/qwen2-docs
+    python bench/train_models.py stories-calib      # → bench/_work/stories260K_calib.jsonl
+
+Corpus (everything ships with Python or an installed package, nothing is downloaded): the
+``pydoc_data.topics`` reference pages, and the docstrings (module, class, function; at least
+``MIN_DOC_CHARS`` long, exact duplicates dropped) of every ``.py`` file of the standard library and of
+the installed ``numpy`` and ``pandas``, read with ``ast`` (no module is imported), test folders
+excluded. A *unit* is one source file or one pydoc topic; sha256 of its name puts it in train
+(94%), calibration (3%) or evaluation (3%), so the three parts never share a unit or a docstring.
+
+A byte-level BPE tokenizer (``tokenizers``, ``VOCAB`` ids, Qwen2's pre-tokenizer, trained on the train
+part only) is saved with each model as a ``PreTrainedTokenizerFast``; the models see the documents as
+one id stream, each document followed by EOS. Each model folder also holds ``calib.txt`` and
+``eval.txt`` (the held-out parts, documents separated by blank lines) and ``train.json``: the
+corpus manifest (versions, sizes, checksums, the units of each held-out part) and the training
+figures. Training (AdamW, warm-up + cosine, random windows of the train stream) is seeded and
+deterministic for a given machine and thread count (2 threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import math
+import platform
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "bench" / "_work"
+STORIES = ROOT / "examples" / "stories260K"
+
+PACKAGES = ("numpy", "pandas")
+EXCLUDED_DIRS = {"test", "tests", "testing", "idle_test", "site-packages", "__pycache__"}
+MIN_DOC_CHARS = 40
+SPLITS = {"calib": range(0, 3), "eval": range(3, 6)}  # sha256 bucket (mod 100); the rest is train
+VOCAB = 4096
+CONTEXT = 256
+EOS = "<|endoftext|>"
+SEED = 0
+
+
+# ---------------------------------------------------------------------------------------------- corpus
+
+
+def _docstrings(path: Path) -> list[str]:
+    """Module, class and function docstrings of one Python file, in ``ast.walk`` order."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    docs = (ast.get_docstring(node) for node in ast.walk(tree) if isinstance(node, kinds))
+    return [doc for doc in docs if doc and len(doc) >= MIN_DOC_CHARS]
+
+
+def corpus_units() -> dict[str, list[str]]:
+    """Unit name → its documents, in a fixed order; each distinct document appears once, in its first unit."""
+    import pydoc_data.topics
+
+    roots = {"stdlib": Path(sysconfig.get_paths()["stdlib"])}
+    for name in PACKAGES:
+        roots[name] = Path(importlib.util.find_spec(name).origin).parent
+    units: dict[str, list[str]] = {}
+    seen: set[str] = set()
+
+    def add(unit: str, docs: list[str]) -> None:
+        fresh = [doc for doc in docs if doc not in seen]
+        seen.update(fresh)
+        if fresh:
+            units[unit] = fresh
+
+    for topic in sorted(pydoc_data.topics.topics):
+        add(f"pydoc:{topic}", [pydoc_data.topics.topics[topic].strip()])
+    for label, root in roots.items():
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root)
+            if not EXCLUDED_DIRS & set(rel.parts):
+                add(f"{label}:{rel.as_posix()}", _docstrings(path))
+    return units
+
+
+def split_of(unit: str) -> str:
+    bucket = int(hashlib.sha256(unit.encode()).hexdigest()[:8], 16) % 100
+    return next((name for name, buckets in SPLITS.items() if bucket in buckets), "train")
+
+
+def build_corpus() -> tuple[dict[str, list[str]], dict]:
+    """Documents per split (train / calib / eval) and a manifest that pins down exactly what they are."""
+    parts: dict[str, list[str]] = {"train": [], "calib": [], "eval": []}
+    held_out: dict[str, list[str]] = {"calib": [], "eval": []}
+    for unit, docs in corpus_units().items():
+        split = split_of(unit)
+        parts[split].extend(docs)
+        if split in held_out:
+            held_out[split].append(unit)
+    manifest = {
+        "python": platform.python_version(),
+        "packages": {name: importlib.metadata.version(name) for name in PACKAGES},
+        "sources": ["pydoc_data.topics", "stdlib docstrings", *(f"{name} docstrings" for name in PACKAGES)],
+        "min_doc_chars": MIN_DOC_CHARS,
+        "split_rule": "sha256(unit name) mod 100: 0-2 calib, 3-5 eval, else train; a unit is a file or a pydoc topic",
+        "parts": {
+            name: {"documents": len(docs), "chars": sum(map(len, docs)),
+                   "sha256": hashlib.sha256(join(docs).encode()).hexdigest()}
+            for name, docs in parts.items()
+        },
+        "held_out_units": held_out,
+    }
+    return parts, manifest
+
+
+def join(docs: list[str]) -> str:
+    return "\n\n".join(docs) + "\n"
+
+
+# ------------------------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(docs: list[str]):
+    """Byte-level BPE over the training documents, wrapped as a ``PreTrainedTokenizerFast``.
+
+    Normalizer, pre-tokenizer and decoder are exactly those transformers' ``Qwen2Tokenizer`` builds:
+    ``AutoTokenizer`` swaps that class in for any ``qwen2`` folder, and it then yields the same ids.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, min_frequency=2, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(docs, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=None,
+                                   pad_token=EOS)
+
+
+def token_stream(tokenizer, docs: list[str]) -> torch.Tensor:
+    """All documents as one id stream [T], each document followed by EOS."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for encoding in tokenizer.backend_tokenizer.encode_batch(docs, add_special_tokens=False):
+        ids.extend(encoding.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+# ----------------------------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One bench model and how it is trained (batch × CONTEXT tokens per step)."""
+
+    family: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rms_norm_eps: float
+    steps: int = 400
+    batch: int = 8
+    lr: float = 2e-3
+    warmup: int = 20
+    weight_decay: float = 0.1
+
+
+RECIPES = {
+    # GQA Llama, group 4: 32-dim heads (16 RoPE frequencies), Llama-2's ε 1e-5.
+    "llama": Recipe("llama", hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, intermediate=640,
+                    rms_norm_eps=1e-5),
+    # GQA Qwen2 with q/k/v biases, group 2: 64-dim heads (32 RoPE frequencies), Qwen's ε 1e-6.
+    "qwen2": Recipe("qwen2", hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=640,
+                    rms_norm_eps=1e-6),
+}
+
+
+def build_model(recipe: Recipe, vocab: int, eos: int):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=vocab, hidden_size=recipe.hidden, intermediate_size=recipe.intermediate,
+                  num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads,
+                  num_key_value_heads=recipe.kv_heads, head_dim=recipe.head_dim, rms_norm_eps=recipe.rms_norm_eps,
+                  rope_theta=10000.0, max_position_embeddings=CONTEXT, tie_word_embeddings=False,
+                  bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    if recipe.family == "llama":
+        return LlamaForCausalLM(LlamaConfig(attention_bias=False, **common))
+    return Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, **common))
+
+
+def lr_at(step: int, recipe: Recipe) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < recipe.warmup:
+        return recipe.lr * (step + 1) / recipe.warmup
+    progress = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+    return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def windows(stream: torch.Tensor, length: int = CONTEXT) -> torch.Tensor:
+    """Non-overlapping windows [n, length] of an id stream (remainder dropped)."""
+    n = len(stream) // length
+    return stream[: n * length].reshape(n, length)
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor, batch: int = 16) -> float:
+    """exp(mean next-token NLL) over windows ids [n, w]."""
+    total, count = 0.0, 0
+    for chunk in ids.split(batch):
+        logits = model(chunk).logits[:, :-1].double()
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
+        total, count = total + nll.item(), count + chunk[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def train(recipe: Recipe, train_ids: torch.Tensor, eval_ids: torch.Tensor, vocab: int, eos: int):
+    """AdamW with warm-up + cosine; each step draws ``batch`` random windows of the training stream."""
+    torch.manual_seed(SEED)
+    model = build_model(recipe, vocab, eos)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
+    generator = torch.Generator().manual_seed(SEED)
+    offsets = torch.arange(CONTEXT + 1)
+    losses: list[float] = []
+    started, cpu_started = time.perf_counter(), time.process_time()
+    model.train()
+    for step in range(recipe.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, recipe)
+        starts = torch.randint(0, len(train_ids) - CONTEXT - 1, (recipe.batch, 1), generator=generator)
+        chunk = train_ids[starts + offsets]  # [batch, CONTEXT + 1]
+        logits = model(chunk[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if step % 20 == 0 or step == recipe.steps - 1:
+            print(f"step {step:4d}  loss {loss.item():.3f}  lr {lr_at(step, recipe):.2e}  "
+                  f"{time.perf_counter() - started:.0f}s", flush=True)
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+    model.eval()
+    figures = {
+        "train_seconds": round(seconds, 1),
+        "train_cpu_seconds": round(cpu_seconds, 1),  # both threads; ≈ 2 × wall time on an idle 2-core machine
+        "train_tokens": recipe.steps * recipe.batch * CONTEXT,
+        "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),  # mean over the last 20 steps
+        "heldout_ppl": perplexity(model, eval_ids),
+        "heldout_windows": len(eval_ids),
+        "uniform_ppl": vocab,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    return model, figures
+
+
+def train_model(name: str, out: Path, steps: int | None) -> dict:
+    torch.set_num_threads(2)
+    torch.use_deterministic_algorithms(True)
+    recipe = RECIPES[name] if steps is None else replace(RECIPES[name], steps=steps)
+    parts, manifest = build_corpus()
+    tokenizer = train_tokenizer(parts["train"])
+    eos = tokenizer.eos_token_id
+    streams = {split: token_stream(tokenizer, docs) for split, docs in parts.items()}
+    for split, ids in streams.items():
+        manifest["parts"][split]["tokens"] = len(ids)
+    print("corpus: " + ", ".join(f"{split} {part['chars'] / 1e6:.2f} MB = {part['tokens']} tokens"
+                                 for split, part in manifest["parts"].items()), flush=True)
+    model, figures = train(recipe, streams["train"], windows(streams["eval"]), len(tokenizer), eos)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    for split in ("calib", "eval"):
+        (out / f"{split}.txt").write_text(join(parts[split]), encoding="utf-8")
+    report = {"model": name, "recipe": asdict(recipe), "context": CONTEXT, "vocab": len(tokenizer),
+              "seed": SEED, "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "command": "python " + " ".join(sys.argv), **figures, "corpus": manifest}
+    (out / "train.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{name}: {figures['parameters'] / 1e6:.2f}M parameters, {figures['train_tokens']} tokens in "
+          f"{figures['train_seconds']:.0f}s ({figures['train_cpu_seconds']:.0f} CPU s); final train loss "
+          f"{figures['final_train_loss']:.3f}; held-out PPL {figures['heldout_ppl']:.2f} on "
+          f"{figures['heldout_windows']} windows (uniform: {len(tokenizer)})")
+    return report
+
+
+# ------------------------------------------------------------------------------------ stories260K calib
+
+
+@torch.no_grad()
+def sample_stories(out: Path, count: int = 64, length: int = 256, seed: int = 4321) -> None:
+    """``count`` sequences of ``length`` ids sampled from stories260K at T = 1 (BOS first), as JSON lines.
+
+    The bundled samples.jsonl (seed 1234) stays the evaluation set; this seed differs.
+    """
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(2)
+    model = LlamaForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.full((count, 1), model.config.bos_token_id, dtype=torch.long)
+    output = model(ids, use_cache=True)
+    for _ in range(length - 1):
+        probs = torch.softmax(output.logits[:, -1].double(), -1)
+        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        output = model(ids[:, -1:], cache=output.cache, use_cache=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in ids.tolist()))
+    print(f"wrote {count}×{length} ids sampled from stories260K (seed {seed}) to {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=[*RECIPES, "stories-calib"])
+    parser.add_argument("--out", type=Path, help="output folder (a .jsonl file for stories-calib)")
+    parser.add_argument("--steps", type=int, help="training steps (default: the recipe's)")
+    args = parser.parse_args()
+    if args.what == "stories-calib":
+        sample_stories(args.out or WORK / "stories260K_calib.jsonl")
+    else:
+        train_model(args.what, args.out or WORK / "models" / f"{args.what}-docs", args.steps)
+
+
+if __name__ == "__main__":
+    main()

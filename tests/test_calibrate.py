@@ -73,27 +73,39 @@ def test_energy_retained_equals_measured_calibration_error(tiny_model):
         assert report.energy_retained == pytest.approx(factors.energy, abs=1e-12)
 
 
-def test_calibrated_conversion_never_worse_than_weights_only(stories, tmp_path):
-    """Same budget, held-out samples of the model itself: calibration lowers KL to the source."""
+@pytest.fixture(scope="module")
+def stories_samples(stories) -> torch.Tensor:
+    """[40, 96] token ids sampled from stories260K itself (T = 1, seed 11): in-distribution text."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(stories)
     generator = torch.Generator().manual_seed(11)
     with torch.no_grad():
-        ids = torch.ones(24, 1, dtype=torch.long)
+        ids = torch.ones(40, 1, dtype=torch.long)
         for _ in range(95):
             probs = model(ids).logits[:, -1].softmax(-1)
             ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)], dim=1)
-    calib, held_out = ids[:16], ids[16:]
-    write_tokens(tmp_path / "calib.jsonl", calib)
+    return ids
+
+
+def held_out_kl(stories, held_out: torch.Tensor):
+    from transformers import AutoModelForCausalLM
+
     with torch.no_grad():
-        reference = model(held_out).logits.log_softmax(-1)
+        reference = AutoModelForCausalLM.from_pretrained(stories)(held_out).logits.log_softmax(-1)
 
     def kl(folder):
         with torch.no_grad():
             logq = load_causal_lm(folder)(held_out).logits.log_softmax(-1)
         return (reference.exp() * (reference - logq)).sum(-1).mean().item()
 
+    return kl
+
+
+def test_calibrated_conversion_never_worse_than_weights_only(stories, stories_samples, tmp_path):
+    """Same budget, held-out samples of the model itself: calibration lowers KL to the source."""
+    write_tokens(tmp_path / "calib.jsonl", stories_samples[:16])
+    kl = held_out_kl(stories, stories_samples[32:])
     for rank in (16, 40):
         weights = convert(str(stories), tmp_path / f"w{rank}", ConvertOptions(rank=rank, verify=False))
         calibrated = convert(str(stories), tmp_path / f"c{rank}",
@@ -101,6 +113,21 @@ def test_calibrated_conversion_never_worse_than_weights_only(stories, tmp_path):
                                             calib_window=96))
         assert calibrated["mode"] == "calibrated" and weights["mode"] == "weights-only"
         assert kl(tmp_path / f"c{rank}") < kl(tmp_path / f"w{rank}")
+
+
+def test_refinement_lowers_the_measured_attention_error(stories, stories_samples, tmp_path):
+    """With calibration windows beyond the held-out ones, refinement runs, is kept only where it
+    measures better, and lowers the KL on text it never saw."""
+    write_tokens(tmp_path / "calib.jsonl", stories_samples[:32])
+    kl = held_out_kl(stories, stories_samples[32:])
+    common = dict(rank=24, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=96)
+    closed = convert(str(stories), tmp_path / "closed", ConvertOptions(refine_steps=0, **common))
+    refined = convert(str(stories), tmp_path / "refined", ConvertOptions(refine_steps=100, **common))
+    assert not any("refined" in v for v in closed["layer_variant"])
+    assert any("refined" in v for v in refined["layer_variant"])
+    assert all(after <= before for before, after in zip(closed["attention_error"], refined["attention_error"]))
+    assert sum(refined["attention_error"]) < 0.9 * sum(closed["attention_error"])
+    assert kl(tmp_path / "refined") < kl(tmp_path / "closed")
 
 
 def test_calibration_holds_one_layer_at_a_time(tiny_model, tmp_path, monkeypatch):
@@ -166,3 +193,4 @@ def test_kv_keep_split_is_chosen_by_measured_error(tiny_model, tmp_path):
     best = min(table, key=lambda row: row["mean_attention_error"])
     assert (report["kv_lora_rank"], report["qk_rope_head_dim"]) == (best["kv_lora_rank"], best["qk_rope_head_dim"])
     assert "least mean attention error" in report["shape_choice"]
+

@@ -66,7 +66,7 @@ class ConvertOptions:
     calib_batch_size: int = 4
     device: str = "cpu"
     layer_search: bool = True  # calibrated: keep, per layer, the variant with the least measured error
-    refine_steps: int = 0  # calibrated: gradient steps on each layer's attention error (0: closed form only)
+    refine_steps: int = 200  # calibrated: gradient steps on each layer's attention error (0: closed form only)
     refine_windows: int = 16  # calibration windows those steps train on (others are held out)
     absorbed: bool = False  # also write the absorbed inference weights into OUT/absorbed
     recipe: str | None = None

@@ -1,0 +1,96 @@
+"""Fidelity bench (issue 3): PPL drift, KL and top-1 agreement of four conversions at three KV cuts.
+
+Methods, all written as stock DeepSeek-V3 checkpoints with the same shapes and the same exact
+plumbing (tiny-latent norm, residual rescale), so that only the factorization differs:
+  (a) joint-svd   plain joint weight SVD, head-averaged RoPE key (MHA2MLA's initialisation)
+  (b) transmla    our re-implementation of TransMLA (activation PCA, RoRoPE, FreqFold, BKV)
+  (c) mlaconv-w   mlaconv weights-only
+  (d) mlaconv-c   mlaconv calibrated (same calibration windows as (b); --kv-keep split search)
+Calibration and evaluation text never overlap (see bench/train_models.py). Models: stories260K
+(bundled) and the trained bench models under bench/_work/models (python bench/train_models.py …).
+
+    python bench/fidelity.py                       # every model found, cuts 50/75/87.5%
+    python bench/fidelity.py --models llama-docs --cuts 0.5 --methods mlaconv-c --refine-steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from baselines import convert_joint_svd, convert_transmla  # noqa: E402
+from eval_lib import CALIB_WINDOWS, WINDOW, calibration_file, calibration_ids, eval_source, fidelity  # noqa: E402
+
+from mlaconv.convert import ConvertOptions, convert  # noqa: E402
+
+MODELS = {
+    "stories260K": HERE.parent / "examples" / "stories260K",
+    "llama-docs": HERE / "_work" / "models" / "llama-docs",
+    "qwen2-docs": HERE / "_work" / "models" / "qwen2-docs",
+}
+METHODS = ("joint-svd", "transmla", "mlaconv-w", "mlaconv-c")
+
+
+def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_steps: int) -> dict:
+    """Convert ``source`` with one method at one budget; return what the conversion chose."""
+    if method == "joint-svd":
+        report = convert_joint_svd(source, out, kv_keep=kv_keep)
+        return {"r": report["kv_lora_rank"], "R": report["qk_rope_head_dim"]}
+    if method == "transmla":
+        report = convert_transmla(source, out, calibration_ids(source), kv_keep=kv_keep)
+        return {"r": report["kv_lora_rank"], "R": report["qk_rope_head_dim"], "freqfold": report.get("freqfold")}
+    options = ConvertOptions(kv_keep=kv_keep, verify=False, dtype="float32")
+    if method == "mlaconv-c":
+        options.calib = [str(calibration_file(source))]
+        options.calib_tokens = CALIB_WINDOWS * WINDOW
+        options.calib_window = WINDOW
+        options.refine_steps = refine_steps
+    report = convert(str(source), out, options)
+    return {"r": report["kv_lora_rank"], "R": report["qk_rope_head_dim"], "variants": report["layer_variant"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
+    parser.add_argument("--cuts", default="0.5,0.75,0.875", help="KV-cache cuts (1 − kv_keep)")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))
+    parser.add_argument("--refine-steps", type=int, default=0, help="mlaconv-c: layer-wise refinement steps")
+    parser.add_argument("--work", type=Path, default=HERE / "_work" / "fidelity", help="where checkpoints go")
+    parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    args = parser.parse_args()
+
+    rows = []
+    for name in args.models.split(","):
+        source = MODELS[name]
+        if not (source / "config.json").is_file():
+            print(f"skipping {name}: {source} not found (python bench/train_models.py …)", file=sys.stderr)
+            continue
+        for cut in (float(c) for c in args.cuts.split(",")):
+            for method in args.methods.split(","):
+                out = args.work / name / f"{method}-{int(round(cut * 1000))}"
+                shutil.rmtree(out, ignore_errors=True)
+                started = time.perf_counter()
+                chosen = run_method(method, source, out, 1 - cut, args.refine_steps)
+                seconds = time.perf_counter() - started
+                row = {"model": name, "method": method, "cut": cut, **chosen, "convert_s": round(seconds, 1),
+                       **fidelity(source, out, eval_source(source))}
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    print("| model | method | cut | r+R | PPL source → converted | drift | KL | top-1 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['model']} | {row['method']} | {row['cut']:.1%} | {row['r']}+{row['R']} | "
+              f"{row['ppl_source']:.2f} → {row['ppl']:.2f} | {row['drift']:+.1%} | {row['kl']:.4f} | {row['top1']:.3f} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -173,3 +173,69 @@ def test_kv_keep_picks_shapes_within_budget(stories, tmp_path):
     assert kv["converted"] <= 32 and report["qk_rope_head_dim"] % 2 == 0
     with pytest.raises(MlaconvError, match="give exactly one"):
         run(stories, tmp_path / "x", kv_keep=0.5, rank=8)
+
+
+def test_tiny_latent_bound_holds_for_huge_hidden_states(tiny_model, tmp_path):
+    """Hidden states 1e4× larger than usual: every latent stays in the ε-dominated regime and the
+    converted model still matches the source."""
+    from mlaconv.mla.latent_norm import DEFAULT_DELTA, LATENT_NORM_EPS
+
+    src = tiny_model(kv_heads=1, head_dim=16, eps=1e-5)
+    report = run(src, tmp_path / "out", rank=16, rope_dim=16)
+    assert report["latent_norm"]["max_bound"] <= DEFAULT_DELTA * (1 + 1e-9)
+    source = load_causal_lm(src)
+    converted = load_causal_lm(tmp_path / "out")
+    ratios = []
+    for layer in converted.model.layers:
+        rank = converted.config.kv_lora_rank
+        layer.self_attn.kv_a_proj_with_mqa.register_forward_hook(
+            lambda module, args, out: ratios.append((out[..., :rank].double().pow(2).mean(-1) / LATENT_NORM_EPS).max().item()))
+    embeds = source.model.embed_tokens(TOKENS).detach() * 1e4
+    embeds[:, 5] *= 1e3  # one token far beyond anything in training
+    with torch.no_grad():
+        expected = source(inputs_embeds=embeds).logits.double()
+        got = converted(inputs_embeds=embeds * report["residual_scale"]).logits.double()
+    assert max(ratios) <= DEFAULT_DELTA
+    assert rel_err(got, expected) <= 1e-4
+
+
+def test_llama3_rope_scaling_is_exact_and_reported(tiny_model, tmp_path):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    src = tiny_model(kv_heads=1, head_dim=16, rope_scaling=scaling, rope_theta=500000.0)
+    report = run(src, tmp_path / "out", rank=16, rope_dim=16)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["rope_scaling"]["rope_type"] == "llama3"
+    assert any("deepseek_yarn" in w for w in report["serving"]["warnings"])
+    long_tokens = torch.randint(0, 96, (1, 200), generator=torch.Generator().manual_seed(2))
+    assert rel_err(logits(tmp_path / "out", long_tokens), logits(src, long_tokens)) <= 1e-4
+
+
+def test_hub_id_resolves_from_the_local_cache_offline(tiny_model, tmp_path, monkeypatch):
+    """A hub id found in the Hugging Face cache converts with the hub switched off."""
+    import shutil
+
+    src = tiny_model(kv_heads=1, head_dim=16)
+    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(src, snapshot)
+    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    report = run("acme/tiny", tmp_path / "out", rank=16, rope_dim=16)
+    assert report["source_id"] == "acme/tiny" and report["source_revision"] == "0" * 40
+    assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
+
+
+def test_small_shards_are_indexed_and_load(tiny_model, tmp_path):
+    src = tiny_model(kv_heads=2, head_dim=16)
+    run(src, tmp_path / "out", rank=24, shard_size=20_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 3 and all((tmp_path / "out" / name).is_file() for name in shards)
+    assert shards[0].endswith(f"-of-{len(shards):05d}.safetensors")
+    assert logits(tmp_path / "out").isfinite().all()

@@ -14,7 +14,7 @@ from mlaconv.cli._common import DEBUG_OPTION, JSON_OPTION, emit_json, handle_err
 
 @app.command()
 def convert(
-    src: Optional[str] = typer.Argument(None, help="Source model: a local folder or a Hugging Face hub id (from the local cache). Default: the recipe's source."),
+    src: Optional[str] = typer.Argument(None, help="Source model: a local folder or a Hugging Face hub id (from the local cache). With --recipe and one argument, the recipe's source is used and the argument is OUT."),
     out: Optional[Path] = typer.Argument(None, help="Output folder (written atomically)."),
     recipe: Optional[Path] = typer.Option(None, "--recipe", help="A recipes/*.yaml file of settings; explicit flags override it."),
     rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Latent rank r (kv_lora_rank)."),
@@ -67,6 +67,8 @@ def convert(
 
             loaded = load_recipe(recipe)
             settings = merge_options(loaded.options, given)
+            if out is None and src is not None:  # one positional argument with a recipe: it is OUT
+                src, out = None, Path(src)
             src = src or loaded.source
             settings["recipe"] = str(recipe)
         if weights_only:

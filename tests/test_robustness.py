@@ -284,10 +284,16 @@ def test_a_disk_that_fills_up_mid_way(src, tmp_path, monkeypatch):
     assert line.endswith(f"; nothing was written to {tmp_path / 'out'}")
 
 
+# ``python -m mlaconv``, with Ctrl-C raising KeyboardInterrupt even where the tests run as a background job
+# (which starts with SIGINT ignored, and Python then leaves it ignored)
+MLACONV = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "runpy.run_module('mlaconv', run_name='__main__', alter_sys=True)")
+
+
 def _start_conversion(src: Path, out: Path) -> subprocess.Popen:
-    """``python -m mlaconv convert`` in a subprocess, one shard per tensor so that it writes all along."""
-    return subprocess.Popen([sys.executable, "-m", "mlaconv", "convert", str(src), str(out), *RANK,
-                             "--shard-size", "1KB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """``mlaconv convert`` in a subprocess, one shard per tensor so that it writes all along."""
+    return subprocess.Popen([sys.executable, "-c", MLACONV, "convert", str(src), str(out), *RANK, "--shard-size", "1KB"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for_writing(process: subprocess.Popen, out: Path) -> Path:
@@ -325,11 +331,12 @@ def test_a_killed_conversion_leaves_no_output_and_the_next_run_sweeps_its_tempor
     assert hashes(slow_src) == before
 
 
-def test_sigterm_removes_the_temporary_folder(slow_src, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_ctrl_c_remove_the_temporary_folder(slow_src, tmp_path, signum):
     out = tmp_path / "out"
     process = _start_conversion(slow_src, out)
     temporary = _wait_for_writing(process, out)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr and "interrupted: nothing was written to the output" in stderr

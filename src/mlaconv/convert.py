@@ -30,7 +30,7 @@ from mlaconv.mla import rope
 from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, SourceAttention, assemble,
                                    convert_attention, factor_attention, full_rank, rope_stride_scores)
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, LATENT_NORM_EPS
-from mlaconv.mla.refine import refine
+from mlaconv.mla.refine import refine, refinement_flops
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,7 +66,7 @@ class ConvertOptions:
     calib_batch_size: int = 4
     device: str = "cpu"
     layer_search: bool = True  # calibrated: keep, per layer, the variant with the least measured error
-    refine_steps: int = 200  # calibrated: gradient steps on each layer's attention error (0: closed form only)
+    refine_steps: int | None = None  # calibrated: gradient steps per layer (None: 200 when it is affordable)
     refine_windows: int = 16  # calibration windows those steps train on (others are held out)
     absorbed: bool = False  # also write the absorbed inference weights into OUT/absorbed
     recipe: str | None = None
@@ -309,6 +309,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         plan, shape_search = search_shapes(plan, options, progress)
         shapes = plan.shapes
     streamer = calibration_streamer(plan, options)
+    refine_steps, refine_note = refinement_plan(plan, options, streamer)
     plan = with_rope_stride(plan, progress)
     lopts, shape, alpha = plan.layer, plan.shape, plan.layer.residual_scale
     n = spec.names
@@ -330,7 +331,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             src = read_attention(reader, spec, i)
             if streamer:
                 mla, report = best_calibrated_layer(i, src, plan, streamer, options.layer_search,
-                                                    options.refine_steps, options.refine_windows)
+                                                    refine_steps, options.refine_windows)
                 streamer.advance(i, src, mla)
             else:
                 mla, report = convert_attention(src, shape, lopts)
@@ -369,7 +370,8 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         if streamer:
             report["mode"] = "calibrated"
             report["calibration"] = {"windows": streamer.options.tokens.shape[0],
-                                     "window": streamer.options.tokens.shape[1], "tokens": streamer.token_count}
+                                     "window": streamer.options.tokens.shape[1], "tokens": streamer.token_count,
+                                     "refine_steps": refine_steps, "refinement": refine_note}
         if options.verify:
             from mlaconv.verify import verify
 
@@ -423,6 +425,26 @@ def calibrated_candidates(layer: LayerOptions, search: bool) -> list[tuple[str, 
         ("calibrated", calibrated, True),
         ("calibrated, attention-weighted latent", replace(calibrated, latent_weighting="attention"), True),
     ]
+
+
+DEFAULT_REFINE_STEPS = 200
+CPU_FLOPS = 5e10  # what refinement assumes a CPU sustains when it estimates its own cost
+AUTO_REFINE_SECONDS = 1800  # refinement runs by default only if it is estimated to take less than this
+
+
+def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreamer | None) -> tuple[int, str]:
+    """How many refinement steps to run per layer, and why (the default skips it where it would take hours)."""
+    if streamer is None:
+        return 0, "no calibration data"
+    if options.refine_steps is not None:
+        return options.refine_steps, "set by --refine-steps"
+    windows, window = streamer.options.tokens.shape
+    flops = refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, 4 * window, window)
+    seconds = DEFAULT_REFINE_STEPS * plan.spec.num_layers * flops / CPU_FLOPS
+    if options.device.startswith("cuda") or seconds <= AUTO_REFINE_SECONDS:
+        return DEFAULT_REFINE_STEPS, "default"
+    return 0, (f"skipped: about {seconds / 3600:.1f} h on this CPU by estimate; pass --refine-steps "
+               f"{DEFAULT_REFINE_STEPS} to run it anyway, or calibrate with --device cuda")
 
 
 def best_calibrated_layer(i: int, src: SourceAttention, plan: Plan, streamer: SourceStreamer, search: bool = True,

@@ -53,10 +53,11 @@ class Refinement:
 
 def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_frequencies: torch.Tensor,
            train: tuple[torch.Tensor, torch.Tensor], held_out: tuple[torch.Tensor, torch.Tensor],
-           steps: int, lr: float = 3e-3, check_every: int = 10) -> Refinement:
+           steps: int, lr: float = 3e-3, check_every: int = 10, batch: int = 4, seed: int = 0) -> Refinement:
     """Adam on the trainable factors of ``latent``; (x, source output) pairs as [B, S, H] float32 tensors.
 
-    Each factor's learning rate is ``lr`` times its RMS, so steps are relative to the factor's scale.
+    Each step uses ``batch`` training windows drawn with a fixed seed; each factor's learning rate is
+    ``lr`` times its RMS, so steps are relative to the factor's scale.
     """
     x_train, y_train = train
     x_held, y_held = held_out
@@ -76,9 +77,11 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
     with torch.no_grad():
         before = best = error(x_held, y_held).item()
     best_params = {name: t.detach().clone() for name, t in params.items()}
+    generator = torch.Generator().manual_seed(seed)
     for step in range(1, steps + 1):
+        pick = torch.randperm(x_train.shape[0], generator=generator)[:batch].to(device)
         optimizer.zero_grad()
-        error(x_train, y_train).backward()
+        error(x_train[pick], y_train[pick]).backward()
         optimizer.step()
         if step % check_every == 0 or step == steps:
             with torch.no_grad():
@@ -88,3 +91,11 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
                 best_params = {name: t.detach().clone() for name, t in params.items()}
     refined = replace(latent, **{name: t.to("cpu", torch.float64) for name, t in best_params.items()})
     return Refinement(latent=refined, before=before, after=best, steps=steps)
+
+
+def refinement_flops(shape: AttentionShape, rope_dim: int, rank: int, tokens: int, window: int) -> float:
+    """Rough multiply-adds ×2 of one forward+backward step over ``tokens`` tokens in windows of ``window``."""
+    N, G, d, H = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden
+    projections = H * (N * (d + rope_dim) + rank + rope_dim + N * d) + rank * 2 * G * d
+    attention = window * N * (2 * d + rope_dim)
+    return 3 * 2 * tokens * (projections + attention)

@@ -223,10 +223,12 @@ def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, opti
         key_weight = torch.eye(k_nope.shape[0], dtype=target.dtype)
         value_weight = torch.eye(v.shape[0], dtype=target.dtype)
     nk, nv = block_norm(key_weight @ k_nope, stats.metric), block_norm(value_weight @ v, stats.metric)
-    # A block with (numerically) no energy, e.g. MQA keys that all stay rotated, is not blown up.
-    floor = 1e-9 * max(nk, nv, 1e-300)
-    key_weight = key_weight * (options.kv_balance / max(nk, floor) if nk > floor else options.kv_balance / max(nv, 1e-300))
-    value_weight = value_weight * (1.0 / max(nv, floor) if nv > floor else 1.0 / max(nk, 1e-300))
+    # A block with (numerically) no energy, e.g. MQA keys that all stay rotated, is not blown up:
+    # it is scaled like the other block.
+    scale = max(nk, nv, 1e-300)
+    nk, nv = (nk if nk > 1e-9 * scale else scale), (nv if nv > 1e-9 * scale else scale)
+    key_weight = key_weight * (options.kv_balance / nk)
+    value_weight = value_weight / nv
     if options.latent_weighting == "attention":
         return target, torch.block_diag(key_weight, value_weight)
     return target, torch.cat([key_weight.diagonal(), value_weight.diagonal()])

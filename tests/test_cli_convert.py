@@ -53,3 +53,53 @@ def test_eval_runs_the_perplexity_command_on_the_result(stories, tmp_path):
                                           "--tokens", str(stories / "samples.jsonl"), "--json"])
     again = json.loads(standalone.stdout.strip().splitlines()[-1])
     assert again["ppl"] == evaluation["ppl"] and again["kl_per_token"] == evaluation["kl_per_token"]
+
+
+def test_eval_inputs_are_checked_before_converting(stories, tmp_path):
+    result = convert(stories, tmp_path / "out", "--rank", 8, "--eval-text", tmp_path / "missing.txt")
+    assert result.exit_code == 1 and "evaluation file not found" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failing_check_keeps_the_conversion(stories, tmp_path, monkeypatch):
+    import mlaconv.verify
+    from mlaconv.errors import MlaconvError
+
+    def broken(*args, **kwargs):
+        raise MlaconvError("simulated failure")
+
+    monkeypatch.setattr(mlaconv.verify, "verify", broken)
+    result = convert(stories, tmp_path / "out", "--rank", 8, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "simulated failure" in report["verify"]["error"]
+    assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_eval_without_room_for_both_models_reports_no_kl(stories, tmp_path, monkeypatch):
+    import mlaconv.evaluate
+
+    monkeypatch.setattr(mlaconv.evaluate, "available_memory_bytes", lambda: 1)
+    result = convert(stories, tmp_path / "out", "--rank", 8, "--no-verify", "--eval-tokens", stories / "samples.jsonl")
+    assert result.exit_code == 0, result.output
+    assert "KL and top-1 not measured" in result.output
+
+
+def test_unusable_device_is_one_line(stories, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():  # the refusal under test is for machines without CUDA
+        return
+    result = convert(stories, tmp_path / "out", "--rank", 8, "--device", "cuda")
+    assert result.exit_code == 1 and "no CUDA device" in result.output and "Traceback" not in result.output
+
+
+def test_rope_stride_with_kv_keep_search(tiny_model, tmp_path):
+    src = tiny_model(kv_heads=2, head_dim=32, hidden=128, heads=4)
+    ids = "".join(json.dumps({"input_ids": [(7 * i + j) % 96 for j in range(48)]}) + "\n" for i in range(8))
+    (tmp_path / "calib.jsonl").write_text(ids)
+    result = convert(src, tmp_path / "out", "--kv-keep", 0.5, "--rope-stride", 2, "--calib", tmp_path / "calib.jsonl",
+                     "--calib-window", 48, "--no-verify", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["rope_stride"] == 2

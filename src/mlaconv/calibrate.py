@@ -120,7 +120,8 @@ class SourceStreamer:
 
     def attention_error(self, i: int, attention: SourceAttention, converted: MLAAttention, rank: int,
                         rope_dim: int, slot_frequencies: torch.Tensor, residual_scale: float) -> float:
-        """‖MLA(x)/α − source(x)‖² / ‖source(x)‖² of layer i's attention output on the profiling windows.
+        """‖MLA(x)/α − source(x)‖² / ‖source(x)‖² of layer i's attention output on the held-out windows
+        (the first ``profile_windows``, which refinement never trains on).
 
         α is the residual rescale folded into the converted o_proj.
         """
@@ -132,8 +133,10 @@ class SourceStreamer:
         angles = rope_angles(slot_frequencies, self.options.tokens.shape[1]).to(self.device)
         error = total = 0.0
         with torch.no_grad():
-            for batch in list(self._batches())[: max(1, self.options.profile_windows // self.options.batch_size)]:
-                x = rms_norm(self.hidden[batch].to(self.device), source_weights.input_norm, self.spec.rms_norm_eps)
+            held = self.hidden[: self.options.profile_windows]
+            for start in range(0, held.shape[0], self.options.batch_size):
+                x = rms_norm(held[start : start + self.options.batch_size].to(self.device), source_weights.input_norm,
+                             self.spec.rms_norm_eps)
                 reference = source_attention(x, source_weights, self.heads, self.angles)
                 approx = mla_attention(x, mla, self.heads, rank, rope_dim, angles) / residual_scale
                 error += (approx - reference).double().pow(2).sum().item()
@@ -162,8 +165,9 @@ class SourceStreamer:
         return SourceAttention(**{name: t.to(self.device, torch.float32) if t is not None else None
                                   for name, t in vars(attention).items()})
 
-    def advance(self, i: int, attention: SourceAttention, converted: MLAAttention | None = None) -> None:  # noqa: ARG002
-        """Move the hidden states through source layer i (attention + MLP)."""
+    def advance(self, i: int, attention: SourceAttention) -> None:
+        """Move the hidden states through source layer i (attention + MLP): every layer is calibrated on
+        the source model's own activations."""
         n = self.spec.names
         attention = self._on_device(attention)
         mlp = MLPWeights(

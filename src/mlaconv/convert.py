@@ -12,6 +12,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import transformers
@@ -25,10 +26,11 @@ from mlaconv.io import (CheckpointReader, ShardedWriter, atomic_output_dir, chec
                         read_config, resolve_source)
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
 from mlaconv.model_card import write_model_card
+from mlaconv.models import check_device
 from mlaconv.progress import Progress, no_progress
 from mlaconv.mla import rope
 from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, SourceAttention, assemble,
-                                   convert_attention, factor_attention, full_rank, rope_stride_scores)
+                                   convert_attention, factor_attention, full_rank, key_energies)
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, LATENT_NORM_EPS
 from mlaconv.mla.refine import refine, refinement_flops
 
@@ -235,17 +237,25 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
 
         check_recipe(load_recipe(options.recipe), spec)
     shapes = plan_shapes(spec, options.rank, options.kv_keep, options.rope_dim)
-    if options.rope_stride is not None and options.rope_stride not in rope.strides(spec.head_dim, shapes.rope_dim):
+    searched = options.calibrated and options.kv_keep is not None and options.rope_dim is None  # see search_shapes
+    if (options.rope_stride is not None and not searched
+            and options.rope_stride not in rope.strides(spec.head_dim, shapes.rope_dim)):
         raise MlaconvError(f"--rope-stride {options.rope_stride} does not fit {shapes.rope_dim} rope dims in "
                            f"head_dim {spec.head_dim}")
+    check_device(options.device)
+    if options.calib_tokens < 1:
+        raise MlaconvError(f"--calib-tokens must be positive, got {options.calib_tokens}")
+    if options.evaluated:
+        _eval_source(options)  # a missing eval file or a malformed dataset name fails now, not after hours
     return Plan(folder, spec, reader, shapes, layer_options(spec, shapes, options))
 
 
 def with_rope_stride(plan: Plan, progress: Progress = no_progress) -> Plan:
-    """The plan with its model-wide rope stride chosen (a pass over the q/k weights), unless it is set."""
+    """The plan with its model-wide rope stride chosen (a pass over the key weights), unless it is set."""
     if plan.layer.rope_stride is not None:
         return plan
-    stride = global_rope_stride(plan.reader, plan.spec, plan.shape, plan.layer, progress)
+    R = plan.layer.rope_dim
+    stride = rope_strides(plan.reader, plan.spec, plan.shape, plan.layer, [R], progress)[R]
     return replace(plan, layer=replace(plan.layer, rope_stride=stride))
 
 
@@ -266,14 +276,17 @@ def search_shapes(plan: Plan, options: ConvertOptions, progress: Progress = no_p
     (``shape_candidates``) and sums the relative attention-output errors; the split with the least
     total wins. Returns the plan with those shapes and the table behind the choice.
     """
-    candidates = shape_candidates(plan.spec, options.kv_keep)
-    if len(candidates) == 1:
+    candidates = [c for c in shape_candidates(plan.spec, options.kv_keep)
+                  if options.rope_stride is None or options.rope_stride in rope.strides(plan.spec.head_dim, c.rope_dim)]
+    if not candidates:
+        raise MlaconvError(f"--rope-stride {options.rope_stride} fits none of the rope dims this budget allows")
+    if len(candidates) == 1 and candidates[0] == plan.shapes:
         return plan, {"candidates": [], "chosen": None}
     spec = plan.spec
-    layers = {}
-    for c in candidates:
-        candidate_plan = replace(plan, shapes=c, layer=replace(plan.layer, rank=c.rank, rope_dim=c.rope_dim))
-        layers[c] = with_rope_stride(candidate_plan).layer
+    strides = ({c.rope_dim: plan.layer.rope_stride for c in candidates} if plan.layer.rope_stride is not None else
+               rope_strides(plan.reader, spec, plan.shape, plan.layer, [c.rope_dim for c in candidates], progress))
+    layers = {c: replace(plan.layer, rank=c.rank, rope_dim=c.rope_dim, rope_stride=strides[c.rope_dim])
+              for c in candidates}
     streamer = calibration_streamer(plan, options, windows=SEARCH_WINDOWS)
     freqs = rope.scaled_frequencies(spec.rope_theta, spec.head_dim, spec.rope_scaling)
     errors = {c: 0.0 for c in candidates}
@@ -303,9 +316,9 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     folder, spec, reader, shapes = plan.folder, plan.spec, plan.reader, plan.shapes
     dtype = output_dtype(spec, options.dtype)
     check_output_target(out, folder, options.force)
-    check_free_space(out.parent, _estimate_output_bytes(spec, shapes, dtype))
+    check_free_space(out.parent, _estimate_output_bytes(spec, shapes, dtype, options.absorbed))
     shape_search = None
-    if options.calibrated and options.kv_keep is not None and options.rope_dim is None:
+    if options.calibrated and options.kv_keep is not None and options.rope_dim is None:  # the split is measured
         plan, shape_search = search_shapes(plan, options, progress)
         shapes = plan.shapes
     streamer = calibration_streamer(plan, options)
@@ -332,7 +345,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             if streamer:
                 mla, report = best_calibrated_layer(i, src, plan, streamer, options.layer_search,
                                                     refine_steps, options.refine_windows)
-                streamer.advance(i, src, mla)
+                streamer.advance(i, src)
             else:
                 mla, report = convert_attention(src, shape, lopts)
             reports.append(report)
@@ -375,12 +388,14 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         if options.verify:
             from mlaconv.verify import verify
 
-            report["verify"] = verify(folder, tmp, spec, windows=options.verify_windows,
-                                      window=options.verify_window, check_bias_drop=attention_bias)
+            report["verify"] = _after_conversion(
+                lambda: verify(folder, tmp, spec, windows=options.verify_windows, window=options.verify_window,
+                               check_bias_drop=attention_bias), "the built-in check")
         else:
             report["verify"] = None
         if options.evaluated:
-            report["eval"] = _evaluate(tmp, folder, out, options, progress)
+            report["eval"] = _after_conversion(lambda: _evaluate(tmp, folder, out, options, progress),
+                                               "the evaluation")
         if options.absorbed:
             from mlaconv.absorb import write_absorbed
 
@@ -394,12 +409,30 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     return report
 
 
-def _evaluate(converted: Path, source: Path, out: Path, options: ConvertOptions, progress: Progress) -> dict:
-    """``mlaconv eval perplexity`` of the fresh conversion against its source (same code path)."""
+def _eval_source(options: ConvertOptions) -> TokenSource:
     token_source = TokenSource(text=Path(options.eval_text) if options.eval_text else None,
                                dataset=options.eval_dataset,
                                tokens=Path(options.eval_tokens) if options.eval_tokens else None)
-    result = evaluate_perplexity(converted, source, source=token_source, window=options.eval_window,
+    for path in (token_source.text, token_source.tokens):
+        if path is not None and not path.is_file():
+            raise MlaconvError(f"evaluation file not found: {path}")
+    token_source.describe()  # parses a dataset name
+    return token_source
+
+
+def _after_conversion(check: Callable[[], dict], what: str) -> dict:
+    """Run a check of the finished checkpoint; its failure is reported, never allowed to discard OUT."""
+    try:
+        return check()
+    except MlaconvError as exc:
+        return {"error": f"{what} failed: {exc}"}
+    except Exception as exc:  # a bug in a check must not cost the user the conversion
+        return {"error": f"{what} failed unexpectedly: {type(exc).__name__}: {exc}"}
+
+
+def _evaluate(converted: Path, source: Path, out: Path, options: ConvertOptions, progress: Progress) -> dict:
+    """``mlaconv eval perplexity`` of the fresh conversion against its source (same code path)."""
+    result = evaluate_perplexity(converted, source, source=_eval_source(options), window=options.eval_window,
                                  max_windows=options.eval_max_windows, batch_size=options.eval_batch_size,
                                  device=options.device if options.device != "cpu" else None, progress=progress)
     result["model"] = str(out)
@@ -436,9 +469,14 @@ def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreame
     """How many refinement steps to run per layer, and why (the default skips it where it would take hours)."""
     if streamer is None:
         return 0, "no calibration data"
+    windows, window = streamer.options.tokens.shape
+    if options.refine_steps == 0:
+        return 0, "off (--refine-steps 0)"
+    if windows <= streamer.options.profile_windows:
+        return 0, (f"skipped: no calibration windows beyond the {streamer.options.profile_windows} held out "
+                   "to measure it (give more calibration tokens)")
     if options.refine_steps is not None:
         return options.refine_steps, "set by --refine-steps"
-    windows, window = streamer.options.tokens.shape
     flops = refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, 4 * window, window)
     seconds = DEFAULT_REFINE_STEPS * plan.spec.num_layers * flops / CPU_FLOPS
     if options.device.startswith("cuda") or seconds <= AUTO_REFINE_SECONDS:
@@ -480,19 +518,25 @@ def best_calibrated_layer(i: int, src: SourceAttention, plan: Plan, streamer: So
     return mla, report
 
 
-def global_rope_stride(reader: CheckpointReader, spec: SourceSpec, shape: AttentionShape, lopts: LayerOptions,
-                       progress: Progress = no_progress) -> int:
-    """One frequency grid for the whole model (the config has one rope_theta), chosen from the weights.
+def rope_strides(reader: CheckpointReader, spec: SourceSpec, shape: AttentionShape, layer: LayerOptions,
+                 rope_dims: list[int], progress: Progress = no_progress) -> dict[int, int]:
+    """One frequency grid per candidate R for the whole model (the config has one rope_theta), from the weights.
 
-    Reads only each layer's q/k projections and input norm; the stride with the highest mean
-    rotation-weighted kept energy wins.
+    One pass reads each layer's key projection and input norm only; for each R the stride with the
+    highest mean cost-weighted kept energy wins.
     """
-    candidates = rope.strides(spec.head_dim, lopts.rope_dim)
-    if len(candidates) == 1:
-        return candidates[0]
-    scores = [rope_stride_scores(read_attention(reader, spec, i), shape, lopts)
-              for i in progress(range(spec.num_layers), "choosing rope frequencies", spec.num_layers)]
-    return rope.best_stride(scores)
+    pending = [R for R in rope_dims if len(rope.strides(spec.head_dim, R)) > 1]
+    chosen = {R: rope.strides(spec.head_dim, R)[0] for R in rope_dims if R not in pending}
+    if pending:
+        n = spec.names
+        scores: dict[int, list[dict[int, float]]] = {R: [] for R in pending}
+        for i in progress(range(spec.num_layers), "choosing rope frequencies", spec.num_layers):
+            energies = key_energies(reader.get(n.in_layer(i, n.k + ".weight")), reader.get(n.in_layer(i, n.input_norm)),
+                                    shape, layer)
+            for R in pending:
+                scores[R].append(rope.stride_scores(energies, R))
+        chosen.update({R: rope.best_stride(scores[R]) for R in pending})
+    return chosen
 
 
 def _scaled(matrix: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
@@ -510,10 +554,12 @@ def _copy_tokenizer(source: Path, out: Path) -> list[str]:
     return copied
 
 
-def _estimate_output_bytes(spec: SourceSpec, shapes: Shapes, dtype: torch.dtype) -> int:
+def _estimate_output_bytes(spec: SourceSpec, shapes: Shapes, dtype: torch.dtype, absorbed: bool = False) -> int:
     H, N, d, R, r, L = (spec.hidden_size, spec.num_heads, spec.head_dim, shapes.rope_dim, shapes.rank,
                         spec.num_layers)
     attention = N * (d + R) * H + (r + R) * H + r + N * 2 * d * r + H * N * d
+    if absorbed:  # OUT/absorbed: q_latent, q_rope, kv_down, o_latent per layer
+        attention += N * r * H + N * R * H + (r + R) * H + H * N * r
     mlp = 3 * H * spec.intermediate_size + 2 * H
     total = L * (attention + mlp) + 2 * spec.vocab_size * H + H
     return total * torch.empty((), dtype=dtype).element_size()

@@ -28,7 +28,7 @@ import torch
 from mlaconv.errors import MlaconvError
 from mlaconv.progress import Progress, no_progress
 from mlaconv.io import read_config, resolve_source
-from mlaconv.models import (available_memory_bytes, kv_cache_bytes_per_token, kv_cache_elements, load_causal_lm,
+from mlaconv.models import (available_memory_bytes, check_device, kv_cache_bytes_per_token, kv_cache_elements, load_causal_lm,
                             load_tokenizer, parameter_bytes)
 
 
@@ -365,13 +365,7 @@ def _parse_options(window: int | None, max_windows: int | None, batch_size: int,
         raise MlaconvError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if device and device_map:
         raise MlaconvError("give --device or --device-map, not both")
-    if device:
-        try:
-            kind = torch.device(device).type
-        except RuntimeError:
-            raise MlaconvError(f"unknown --device {device!r} (try cpu, cuda, cuda:1, mps)") from None
-        if kind == "cuda" and not torch.cuda.is_available():
-            raise MlaconvError(f"--device {device}: torch sees no CUDA device here")
+    check_device(device)
     return DTYPES[dtype]
 
 

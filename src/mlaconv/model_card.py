@@ -129,24 +129,37 @@ def _per_layer(report: dict) -> str:
         "RoPE energy kept": report.get("rope_energy_kept"),
         "key error": report.get("key_error"),
         "value error": report.get("value_error"),
+        "attention error": report.get("attention_error"),
     }
-    columns = {name: values for name, values in columns.items() if values}
+    columns = {name: values for name, values in columns.items() if values and None not in values}
+    variants = report.get("layer_variant") or []
+    calibrated_note = (
+        "Calibrated: each layer kept the conversion variant with the least attention error measured on "
+        "held-out calibration windows (*attention error*, ‖MLA − source‖² / ‖source‖² of the layer's output); "
+        "the energy and key/value figures describe that variant's closed-form factorization in its own metric"
+        + (", before the gradient refinement some layers then received (the attention error is after it)"
+           if any("refined" in v for v in variants) else "") + "."
+    )
     lines = [
         "## Approximation per layer",
         "",
         "*Latent energy retained*: share of the (balanced) energy of the non-rotated keys and the values "
         "that the rank-r latent keeps. *RoPE energy kept*: share of the key energy that stays rotated in "
         "the shared R-dim key. *Key / value error*: relative error of the keys and values through the latent. "
-        + ("All weighted by the calibration activations." if report.get("mode") == "calibrated"
+        + (calibrated_note if report.get("mode") == "calibrated"
            else "Weights-only: the input is taken as isotropic after the input norm."),
         "",
         "| layer | " + " | ".join(columns) + " |",
         "|---:|" + "---:|" * len(columns),
     ]
+    if variants:
+        lines[-2] = lines[-2][:-2] + " | variant |"
+        lines[-1] = lines[-1] + "---|"
     for i, row in enumerate(zip(*columns.values())):
-        lines.append(f"| {i} | " + " | ".join(f"{value:.4f}" for value in row) + " |")
+        variant = f" {variants[i]} |" if variants else ""
+        lines.append(f"| {i} | " + " | ".join(f"{value:.4f}" for value in row) + " |" + variant)
     means = [sum(values) / len(values) for values in columns.values()]
-    lines.append("| **mean** | " + " | ".join(f"**{value:.4f}**" for value in means) + " |")
+    lines.append("| **mean** | " + " | ".join(f"**{value:.4f}**" for value in means) + " |" + (" |" if variants else ""))
     return "\n".join(lines)
 
 

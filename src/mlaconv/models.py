@@ -85,3 +85,17 @@ def kv_cache_bytes_per_token(folder: str | Path, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return kv_cache_elements(config) * int(config["num_hidden_layers"]) * element
 
+
+
+def check_device(device: str | None, option: str = "--device") -> None:
+    """Refuse, in one line, a device torch cannot use here (an unknown name, or CUDA without a GPU)."""
+    if not device:
+        return
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise MlaconvError(f"unknown {option} {device!r} (try cpu, cuda, cuda:1, mps)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise MlaconvError(f"{option} {device}: torch sees no CUDA device here")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise MlaconvError(f"{option} {device}: torch sees no MPS device here")

@@ -99,16 +99,23 @@ def mlp_block(h: torch.Tensor, w: MLPWeights, eps: float) -> torch.Tensor:
     return _linear(F.silu(_linear(x, w.gate)) * _linear(x, w.up), w.down)
 
 
-def attention_by_distance(x: torch.Tensor, w: SourceAttention, heads: Heads, angles: torch.Tensor) -> torch.Tensor:
-    """Σ over windows and queries of the attention each head pays at distance Δ = m − n → [N, S]."""
+def attention_by_distance(x: torch.Tensor, w: SourceAttention, heads: Heads, angles: torch.Tensor,
+                          max_scores: int = 2**25) -> torch.Tensor:
+    """Σ over windows and queries of the attention each head pays at distance Δ = m − n → [N, S].
+
+    Heads are processed in chunks so that at most ``max_scores`` attention scores exist at once.
+    """
     B, S, _ = x.shape
     N, G, d = heads.heads, heads.kv_heads, heads.head_dim
     q = rotate_half_pairs(_linear(x, w.q, w.q_bias).view(B, S, N, d).transpose(1, 2), angles)
     k = rotate_half_pairs(_linear(x, w.k, w.k_bias).view(B, S, G, d).transpose(1, 2), angles)
     k = k.repeat_interleave(N // G, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * d**-0.5  # [B, N, S, S]
     causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1).sum(0)  # [N, S, S]
     distance = (torch.arange(S, device=x.device)[:, None] - torch.arange(S, device=x.device)[None, :]).clamp_min(0)
-    by_distance = torch.zeros(N, S, dtype=probs.dtype, device=x.device)
-    return by_distance.index_add_(1, distance.flatten(), probs.flatten(1))
+    by_distance = torch.zeros(N, S, dtype=x.dtype, device=x.device)
+    chunk = max(1, max_scores // (B * S * S))
+    for h in range(0, N, chunk):
+        scores = (q[:, h : h + chunk] @ k[:, h : h + chunk].transpose(-1, -2)) * d**-0.5  # [B, c, S, S]
+        probs = scores.masked_fill_(~causal, float("-inf")).softmax(-1).sum(0)  # [c, S, S]
+        by_distance[h : h + chunk].index_add_(1, distance.flatten(), probs.flatten(1))
+    return by_distance

@@ -1,7 +1,7 @@
 """``mlaconv inspect spectra``: what the latent and the shared RoPE key keep, layer by layer, before converting.
 
 For every layer this runs the very analysis ``convert`` runs (``analyse_layer`` with the options of
-``layer_options`` and the model-wide stride of ``global_rope_stride``) and reports the spectrum of
+``layer_options`` and the model-wide stride of ``with_rope_stride``) and reports the spectrum of
 the exact matrix the latent truncates: its singular values, the energy kept at chosen ranks, the
 rank each energy target needs, and the RoPE energy the shared key keeps. ``convert --rank r`` with
 the same settings reports the same ``energy_retained`` per layer.

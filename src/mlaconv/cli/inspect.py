@@ -21,7 +21,7 @@ def spectra(
     rope_stride: Optional[int] = typer.Option(None, "--rope-stride", help="Keep source frequencies 0, s, 2s, … (default: chosen from the weights, as in convert)."),
     ranks: Optional[str] = typer.Option(None, "--ranks", help="Comma-separated latent ranks to report, e.g. 64,128,512 (default: powers of two and the full rank)."),
     energy: str = typer.Option("0.9,0.95,0.99", "--energy", help="Comma-separated energy targets in (0, 1]: the rank each one needs is reported."),
-    kv_keep: Optional[float] = typer.Option(None, "--kv-keep", help="Recommend (R, r) for this fraction of the source KV cache, exactly as convert --kv-keep picks them."),
+    kv_keep: Optional[float] = typer.Option(None, "--kv-keep", help="Recommend (R, r) for this fraction of the source KV cache, as convert --kv-keep picks them without calibration (with --calib, convert also measures other splits)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the spectra and energy curves (needs the 'plot' extra)."),
     csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write one CSV row per layer."),
     allow_sliding_window: bool = typer.Option(False, "--allow-sliding-window", help="Inspect a sliding-window model as convert would treat it."),

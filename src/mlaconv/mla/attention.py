@@ -21,7 +21,7 @@ All math runs in float64; the caller casts the result.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -138,7 +138,7 @@ def unrotation_cost(stats: LayerStats) -> torch.Tensor:
     return (1 - stats.rotation_mean.abs() ** 2).clamp_min(0).T
 
 
-def key_mix(k: torch.Tensor, q: torch.Tensor, shape: AttentionShape, stats: LayerStats,
+def key_mix(k: torch.Tensor, q: torch.Tensor | None, shape: AttentionShape, stats: LayerStats,
             options: LayerOptions) -> tuple[torch.Tensor, rope.HeadMix]:
     """Per frequency, the best mix of the KV heads into one rotated component → (complex keys, mix).
 
@@ -154,12 +154,14 @@ def key_mix(k: torch.Tensor, q: torch.Tensor, shape: AttentionShape, stats: Laye
     return zk, rope.head_mix(gram, weights)
 
 
-def rope_stride_scores(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
-                       stats: LayerStats | None = None) -> dict[int, float]:
-    """How much rotation-weighted key energy each candidate stride keeps rotated in this layer."""
-    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options)
-    _, mix = key_mix(src.k.to(torch.float64), src.q.to(torch.float64), shape, stats, options)
-    return rope.stride_scores(mix.energies, options.rope_dim)
+def key_energies(k: torch.Tensor, gamma: torch.Tensor, shape: AttentionShape, options: LayerOptions) -> torch.Tensor:
+    """[F, n_kv] weights-only energies of the per-frequency head mix (what the rope stride is chosen from).
+
+    Without data and without query weighting the mix depends on the keys and γ alone, not on R.
+    """
+    stats = weights_only_stats(gamma, shape, options)
+    unweighted = replace(options, query_weighted_rope=False)
+    return key_mix(k.to(torch.float64), None, shape, stats, unweighted)[1].energies
 
 
 def decompose_keys(k: torch.Tensor, q: torch.Tensor, shape: AttentionShape, stats: LayerStats,

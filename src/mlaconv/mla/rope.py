@@ -135,6 +135,8 @@ def best_stride(scores: list[dict[int, float]]) -> int:
 
 def choose_frequencies(energies: torch.Tensor, rope_dim: int, stride: int) -> RopeChoice:
     """The slots' source frequencies for ``stride``, with the weighted energy each keeps rotated."""
+    if stride not in strides(2 * energies.shape[0], rope_dim):
+        raise ValueError(f"stride {stride} does not fit {rope_dim} rope dims in {energies.shape[0]} frequencies")
     tiny = torch.finfo(energies.dtype).tiny
     per_freq_total = energies.sum(-1)
     idx = kept_frequencies(rope_dim, stride)

@@ -53,11 +53,12 @@ import torch
 
 from mlaconv import deepseek
 from mlaconv.arch import SourceSpec
-from mlaconv.convert import TOKENIZER_FILES, Shapes, load_source, plan_shapes, read_attention
+from mlaconv.convert import (TOKENIZER_FILES, Shapes, load_source, plan_shapes, read_attention, residual_scale,
+                             write_layer, write_outer_tensors)
 from mlaconv.io import CheckpointReader, ShardedWriter, atomic_output_dir
 from mlaconv.mla import rope
 from mlaconv.mla.attention import AttentionShape, MLAAttention, SourceAttention
-from mlaconv.mla.latent_norm import DEFAULT_DELTA, LATENT_NORM_EPS, tiny_latent
+from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
 from mlaconv.models import load_causal_lm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -123,33 +124,13 @@ def assemble(src: SourceAttention, shape: AttentionShape, f: Factorization, resi
 def write_checkpoint(out: Path, folder: Path, spec: SourceSpec, reader: CheckpointReader, shapes: Shapes,
                      stride: int, layers: list[MLAAttention], report: dict, dtype: torch.dtype = torch.float32) -> None:
     """Write (or replace) the DeepSeek-V3 folder laid out as ``mlaconv.convert`` does; ``report`` → baseline.json."""
-    n = spec.names
     alpha = residual_scale(spec)
     attention_bias = spec.qkv_bias or spec.o_bias
     with atomic_output_dir(Path(out), force=True) as tmp:
         writer = ShardedWriter(tmp)
-        embed = reader.get(n.embed)
-        writer.add(deepseek.EMBED, (embed.double() * alpha).to(dtype))
-        writer.add(deepseek.LM_HEAD, (reader.get(n.lm_head) if n.lm_head in reader else embed).to(dtype))
-        writer.add(deepseek.FINAL_NORM, reader.get(n.final_norm).to(dtype))
+        write_outer_tensors(writer, reader, spec, alpha, dtype)
         for i, mla in enumerate(layers):
-            p = deepseek.layer_prefix(i)
-            writer.add(p + deepseek.Q_PROJ, mla.q_proj.to(dtype))
-            writer.add(p + deepseek.KV_A_PROJ, mla.kv_a_proj.to(dtype))
-            writer.add(p + deepseek.KV_A_NORM, mla.kv_a_norm.to(dtype))
-            writer.add(p + deepseek.KV_B_PROJ, mla.kv_b_proj.to(dtype))
-            writer.add(p + deepseek.O_PROJ, mla.o_proj.to(dtype))
-            if attention_bias:
-                kv_a_bias = mla.kv_a_bias if mla.kv_a_bias is not None else torch.zeros(len(mla.kv_a_proj))
-                o_bias = mla.o_bias if mla.o_bias is not None else torch.zeros(spec.hidden_size)
-                writer.add(p + deepseek.KV_A_BIAS, kv_a_bias.to(dtype))
-                writer.add(p + deepseek.O_BIAS, o_bias.to(dtype))
-            for name in (n.gate, n.up):
-                writer.add(p + name + ".weight", reader.get(n.in_layer(i, name + ".weight")).to(dtype))
-            down = reader.get(n.in_layer(i, n.down + ".weight")).double() * alpha
-            writer.add(p + n.down + ".weight", down.to(dtype))
-            for name in (n.input_norm, n.post_attention_norm):
-                writer.add(p + name, reader.get(n.in_layer(i, name)).to(dtype))
+            write_layer(writer, reader, spec, i, mla, alpha, dtype)
         writer.finish()
         theta = rope.target_rope_theta(spec.rope_theta, spec.head_dim, shapes.rope_dim, stride)
         config = deepseek.build_config(spec, rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=theta,
@@ -159,11 +140,6 @@ def write_checkpoint(out: Path, folder: Path, spec: SourceSpec, reader: Checkpoi
             if (folder / name).is_file():
                 shutil.copy2(folder / name, tmp / name)
         (tmp / "baseline.json").write_text(json.dumps(report, indent=2) + "\n")
-
-
-def residual_scale(spec: SourceSpec) -> float:
-    """α = √(1e-6 / ε_src) on the residual stream keeps every decoder RMSNorm exact at DeepSeek's ε."""
-    return math.sqrt(LATENT_NORM_EPS / spec.rms_norm_eps)
 
 
 def _convert(method: str, source: str | Path, out: str | Path, layers: list[SourceAttention], shapes: Shapes,

@@ -10,7 +10,7 @@ Calibration and evaluation text never overlap (see bench/train_models.py). Model
 (bundled) and the trained bench models under bench/_work/models (python bench/train_models.py …).
 
     python bench/fidelity.py                       # every model found, cuts 50/75/87.5%
-    python bench/fidelity.py --models llama-docs --cuts 0.5 --methods mlaconv-c --refine-steps 200
+    python bench/fidelity.py --models llama-docs --cuts 0.5 --methods mlaconv-c --refine-steps 0
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ MODELS = {
 METHODS = ("joint-svd", "transmla", "mlaconv-w", "mlaconv-c")
 
 
-def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_steps: int) -> dict:
+def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_steps: int | None) -> dict:
     """Convert ``source`` with one method at one budget; return what the conversion chose."""
     if method == "joint-svd":
         report = convert_joint_svd(source, out, kv_keep=kv_keep)
@@ -53,7 +53,8 @@ def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_step
         options.calib_window = WINDOW
         options.refine_steps = refine_steps
     report = convert(str(source), out, options)
-    return {"r": report["kv_lora_rank"], "R": report["qk_rope_head_dim"], "variants": report["layer_variant"]}
+    return {"r": report["kv_lora_rank"], "R": report["qk_rope_head_dim"], "variants": report["layer_variant"],
+            "refinement": (report.get("calibration") or {}).get("refinement")}
 
 
 def main() -> None:
@@ -61,7 +62,8 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
     parser.add_argument("--cuts", default="0.5,0.75,0.875", help="KV-cache cuts (1 − kv_keep)")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))
-    parser.add_argument("--refine-steps", type=int, default=0, help="mlaconv-c: layer-wise refinement steps")
+    parser.add_argument("--refine-steps", type=int, default=None,
+                        help="mlaconv-c: layer-wise refinement steps (default: mlaconv's own default)")
     parser.add_argument("--work", type=Path, default=HERE / "_work" / "fidelity", help="where checkpoints go")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args()

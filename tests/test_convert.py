@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,24 +212,45 @@ def test_llama3_rope_scaling_is_exact_and_reported(tiny_model, tmp_path):
     assert rel_err(logits(tmp_path / "out", long_tokens), logits(src, long_tokens)) <= 1e-4
 
 
-def test_hub_id_resolves_from_the_local_cache_offline(tiny_model, tmp_path, monkeypatch):
-    """A hub id found in the Hugging Face cache converts with the hub switched off."""
+def offline_hub_cache(folder: Path, tmp_path: Path, monkeypatch, repo: str = "acme/tiny") -> Path:
+    """Put ``folder`` into a fresh Hugging Face cache as ``repo``'s main snapshot; switch the hub off."""
     import shutil
 
-    src = tiny_model(kv_heads=1, head_dim=16)
-    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / ("0" * 40)
-    shutil.copytree(src, snapshot)
-    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
-    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("0" * 40)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants as constants
 
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    cache = tmp_path / "hub"
+    entry = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = entry / "snapshots" / ("0" * 40)
+    shutil.copytree(folder, snapshot)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text("0" * 40)
+    for name, value in (("HF_HUB_CACHE", str(cache)), ("HF_HUB_OFFLINE", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return snapshot
+
+
+def test_hub_id_resolves_from_the_local_cache_offline(tiny_model, tmp_path, monkeypatch):
+    """A hub id found in the Hugging Face cache converts with the hub switched off."""
+    src = tiny_model(kv_heads=1, head_dim=16)
+    offline_hub_cache(src, tmp_path, monkeypatch)
     report = run("acme/tiny", tmp_path / "out", rank=16, rope_dim=16)
     assert report["source_id"] == "acme/tiny" and report["source_revision"] == "0" * 40
     assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
+
+
+def test_partly_cached_hub_id_is_named_offline(tiny_model, tmp_path, monkeypatch):
+    """A snapshot that holds the config but not every shard its index names is reported as partial."""
+    src = tiny_model(kv_heads=1, head_dim=16)
+    snapshot = offline_hub_cache(src, tmp_path, monkeypatch)
+    weights = snapshot / "model.safetensors"
+    weights.rename(snapshot / "model-00001-of-00001.safetensors")
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(MlaconvError, match="only partly in the local Hugging Face cache"):
+        run("acme/tiny", tmp_path / "out", rank=16, rope_dim=16)
+    assert not (tmp_path / "out").exists()
 
 
 def test_small_shards_are_indexed_and_load(tiny_model, tmp_path):

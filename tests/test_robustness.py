@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ def cli(*args: str | Path):
 
 
 def hashes(folder: Path) -> dict[str, str]:
-    """sha256 of every file under ``folder`` (and the listing itself, so new files show up)."""
+    """sha256 of every file under ``folder``, by relative path (so a new or missing file shows too)."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -105,6 +104,29 @@ def test_config_and_weights_disagree(src, tmp_path):
     before = hashes(src)
     assert_refused(cli(src, tmp_path / "out", *RANK), tmp_path / "out", src, before,
                    "model.layers.0.mlp.gate_proj.weight has shape [64, 32], expected [48, 32]")
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("num_attention_heads", 0, "num_attention_heads = 0 is not a positive int"),
+    ("hidden_size", "32", "hidden_size = '32' is not a positive int"),
+    ("num_hidden_layers", 1.5, "num_hidden_layers = 1.5 is not a positive int"),
+    ("rms_norm_eps", "tiny", "rms_norm_eps = 'tiny' is not a positive float"),
+    ("rope_theta", None, "rope_theta = None is not a positive number"),
+    ("rope_scaling", [8.0], "rope_scaling = [8.0] is not a mapping"),
+])
+def test_malformed_config_numbers(src, tmp_path, key, value, match):
+    config = json.loads((src / "config.json").read_text())
+    config.pop("rope_parameters", None)  # a transformers 4.x config: rope_theta and rope_scaling at the top level
+    (src / "config.json").write_text(json.dumps(config | {key: value}))
+    before = hashes(src)
+    assert_refused(cli(src, tmp_path / "out", *RANK), tmp_path / "out", src, before, match)
+
+
+def test_a_weight_index_that_maps_to_non_names(src, tmp_path):
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": 3}}))
+    before = hashes(src)
+    assert_refused(cli(src, tmp_path / "out", *RANK), tmp_path / "out", src, before,
+                   "weight_map must map names to file names")
 
 
 def test_truncated_and_corrupt_safetensors(src, tmp_path):

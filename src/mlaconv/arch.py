@@ -111,16 +111,8 @@ class SourceSpec:
         return self.family.names
 
     @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def kv_elements_per_token_per_layer(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim
-
-    @property
-    def rope_type(self) -> str:
-        return (self.rope_scaling or {}).get("rope_type", "default")
 
     @classmethod
     def from_config(cls, config: dict, allow_sliding_window: bool = False) -> "SourceSpec":
@@ -132,15 +124,25 @@ class SourceSpec:
             raise MlaconvError("config.json has no model_type; is this a Hugging Face causal LM?")
         family = family_for(model_type)
 
-        def need(key: str):
-            if key not in config or config[key] is None:
-                raise MlaconvError(f"config.json lacks {key!r}")
-            return config[key]
+        def number(key: str, default=None, kind: type = int):
+            """config[key] as a positive ``kind``; a one-line error if it is missing (without default) or malformed."""
+            value = config.get(key)
+            if value is None:
+                if default is None:
+                    raise MlaconvError(f"config.json lacks {key!r}")
+                return default
+            try:
+                converted = kind(value)
+            except (TypeError, ValueError):
+                converted = None
+            if isinstance(value, bool) or converted is None or converted != value or converted <= 0:
+                raise MlaconvError(f"config.json: {key} = {value!r} is not a positive {kind.__name__}")
+            return converted
 
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
+        hidden = number("hidden_size")
+        heads = number("num_attention_heads")
+        kv_heads = number("num_key_value_heads", heads)
+        head_dim = number("head_dim", hidden // heads)
         if heads % kv_heads:
             raise MlaconvError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         if head_dim % 2:
@@ -159,16 +161,16 @@ class SourceSpec:
             family=family,
             config=config,
             hidden_size=hidden,
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=number("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            intermediate_size=int(need("intermediate_size")),
-            vocab_size=int(need("vocab_size")),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            intermediate_size=number("intermediate_size"),
+            vocab_size=number("vocab_size"),
+            rms_norm_eps=number("rms_norm_eps", 1e-6, float),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            max_position_embeddings=number("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
@@ -226,11 +228,17 @@ def _rope_settings(config: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from either the 4.x keys or the 5.x ``rope_parameters``."""
     params = config.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params:
-        theta = float(params["rope_theta"])
+        theta = params["rope_theta"]
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
-        theta = float(config.get("rope_theta", 10000.0))
-        scaling = dict(config["rope_scaling"]) if config.get("rope_scaling") else None
+        theta = config.get("rope_theta", 10000.0)
+        scaling = config.get("rope_scaling") or None
+        if scaling is not None and not isinstance(scaling, dict):
+            raise MlaconvError(f"config.json: rope_scaling = {scaling!r} is not a mapping")
+        scaling = dict(scaling) if scaling else None
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise MlaconvError(f"config.json: rope_theta = {theta!r} is not a positive number")
+    theta = float(theta)
     if scaling is not None:
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")

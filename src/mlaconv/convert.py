@@ -1,7 +1,8 @@
 """``mlaconv convert``: stream a source checkpoint layer by layer into a DeepSeek-V3 MLA checkpoint.
 
 Memory: one source tensor group (a layer's attention or MLP) is in memory at a time, plus the
-writer's pending shard; the output folder appears only when complete.
+calibration activations when calibrated; the writer puts each tensor in its shard file as it is added,
+and the output folder appears only when complete.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from mlaconv.model_card import write_model_card
 from mlaconv.models import check_device
 from mlaconv.progress import Progress, no_progress
 from mlaconv.mla import rope
-from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, SourceAttention, assemble,
-                                   convert_attention, factor_attention, full_rank, key_energies)
+from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, MLAAttention, SourceAttention,
+                                   assemble, convert_attention, factor_attention, full_rank, key_energies)
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, LATENT_NORM_EPS
 from mlaconv.mla.refine import refine, refinement_flops
 
@@ -57,8 +58,6 @@ class ConvertOptions:
     verify_windows: int = 4
     verify_window: int = 128
     allow_sliding_window: bool = False
-    query_weighted_rope: bool = False
-    kv_balance: float = 1.0
     delta: float = DEFAULT_DELTA
     revision: str | None = None
     calib: list[str] = field(default_factory=list)
@@ -208,7 +207,6 @@ def layer_options(spec: SourceSpec, shapes: Shapes, options: ConvertOptions) -> 
     return LayerOptions(
         rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling,
         rope_stride=options.rope_stride, context=min(spec.max_position_embeddings, 4096),
-        query_weighted_rope=options.query_weighted_rope, kv_balance=options.kv_balance,
         residual_scale=residual_scale(spec), delta=options.delta,
     )
 
@@ -325,21 +323,12 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     refine_steps, refine_note = refinement_plan(plan, options, streamer)
     plan = with_rope_stride(plan, progress)
     lopts, shape, alpha = plan.layer, plan.shape, plan.layer.residual_scale
-    n = spec.names
     reports: list[LayerReport] = []
     attention_bias = spec.qkv_bias or spec.o_bias
 
     with atomic_output_dir(out, force=options.force) as tmp:
         writer = ShardedWriter(tmp, options.shard_size)  # writes each tensor as it is added
-        if n.lm_head in reader:
-            writer.add(deepseek.LM_HEAD, reader.get(n.lm_head).to(dtype))
-        embed = reader.get(n.embed)
-        if n.lm_head not in reader:  # tied: the head is the embedding before it is scaled in place
-            writer.add(deepseek.LM_HEAD, embed.to(dtype))
-        writer.add(deepseek.EMBED, _scaled(embed, alpha, dtype))
-        del embed
-        writer.add(deepseek.FINAL_NORM, reader.get(n.final_norm).to(dtype))
-
+        write_outer_tensors(writer, reader, spec, alpha, dtype)
         for i in progress(range(spec.num_layers), "converting layers", spec.num_layers):
             src = read_attention(reader, spec, i)
             if streamer:
@@ -349,23 +338,9 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             else:
                 mla, report = convert_attention(src, shape, lopts)
             reports.append(report)
-            p = deepseek.layer_prefix(i)
-            writer.add(p + deepseek.Q_PROJ, mla.q_proj.to(dtype))
-            writer.add(p + deepseek.KV_A_PROJ, mla.kv_a_proj.to(dtype))
-            writer.add(p + deepseek.KV_A_NORM, mla.kv_a_norm.to(dtype))
-            writer.add(p + deepseek.KV_B_PROJ, mla.kv_b_proj.to(dtype))
-            writer.add(p + deepseek.O_PROJ, mla.o_proj.to(dtype))
-            if attention_bias:
-                kv_a_bias = mla.kv_a_bias if mla.kv_a_bias is not None else torch.zeros(shapes.rank + shapes.rope_dim)
-                o_bias = mla.o_bias if mla.o_bias is not None else torch.zeros(spec.hidden_size)
-                writer.add(p + deepseek.KV_A_BIAS, kv_a_bias.to(dtype))
-                writer.add(p + deepseek.O_BIAS, o_bias.to(dtype))
-            del src, mla
-            for name in (n.gate, n.up):
-                writer.add(p + name + ".weight", reader.get(n.in_layer(i, name + ".weight")).to(dtype))
-            writer.add(p + n.down + ".weight", _scaled(reader.get(n.in_layer(i, n.down + ".weight")), alpha, dtype))
-            for name in (n.input_norm, n.post_attention_norm):
-                writer.add(p + name, reader.get(n.in_layer(i, name)).to(dtype))
+            del src
+            write_layer(writer, reader, spec, i, mla, alpha, dtype)
+            del mla
         writer.finish()
         reader.close()
 
@@ -537,6 +512,42 @@ def rope_strides(reader: CheckpointReader, spec: SourceSpec, shape: AttentionSha
                 scores[R].append(rope.stride_scores(energies, R))
         chosen.update({R: rope.best_stride(scores[R]) for R in pending})
     return chosen
+
+
+def write_outer_tensors(writer: ShardedWriter, reader: CheckpointReader, spec: SourceSpec, alpha: float,
+                        dtype: torch.dtype) -> None:
+    """The head, the embedding (scaled by the residual rescale α) and the final norm, one at a time."""
+    n = spec.names
+    if n.lm_head in reader:
+        writer.add(deepseek.LM_HEAD, reader.get(n.lm_head).to(dtype))
+    embed = reader.get(n.embed)
+    if n.lm_head not in reader:  # tied: the head is the embedding before it is scaled in place
+        writer.add(deepseek.LM_HEAD, embed.to(dtype))
+    writer.add(deepseek.EMBED, _scaled(embed, alpha, dtype))
+    del embed
+    writer.add(deepseek.FINAL_NORM, reader.get(n.final_norm).to(dtype))
+
+
+def write_layer(writer: ShardedWriter, reader: CheckpointReader, spec: SourceSpec, i: int, mla: MLAAttention,
+                alpha: float, dtype: torch.dtype) -> None:
+    """Layer i of the output: the converted attention ``mla``, then the source MLP (down_proj scaled by α)
+    and norms, read and written one tensor at a time. Biases go in whenever the source has any."""
+    n, p = spec.names, deepseek.layer_prefix(i)
+    writer.add(p + deepseek.Q_PROJ, mla.q_proj.to(dtype))
+    writer.add(p + deepseek.KV_A_PROJ, mla.kv_a_proj.to(dtype))
+    writer.add(p + deepseek.KV_A_NORM, mla.kv_a_norm.to(dtype))
+    writer.add(p + deepseek.KV_B_PROJ, mla.kv_b_proj.to(dtype))
+    writer.add(p + deepseek.O_PROJ, mla.o_proj.to(dtype))
+    if spec.qkv_bias or spec.o_bias:
+        kv_a_bias = mla.kv_a_bias if mla.kv_a_bias is not None else torch.zeros(mla.kv_a_proj.shape[0])
+        o_bias = mla.o_bias if mla.o_bias is not None else torch.zeros(spec.hidden_size)
+        writer.add(p + deepseek.KV_A_BIAS, kv_a_bias.to(dtype))
+        writer.add(p + deepseek.O_BIAS, o_bias.to(dtype))
+    for name in (n.gate, n.up):
+        writer.add(p + name + ".weight", reader.get(n.in_layer(i, name + ".weight")).to(dtype))
+    writer.add(p + n.down + ".weight", _scaled(reader.get(n.in_layer(i, n.down + ".weight")), alpha, dtype))
+    for name in (n.input_norm, n.post_attention_norm):
+        writer.add(p + name, reader.get(n.in_layer(i, name)).to(dtype))
 
 
 def _scaled(matrix: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:

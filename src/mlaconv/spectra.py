@@ -4,7 +4,9 @@ For every layer this runs the very analysis ``convert`` runs (``analyse_layer`` 
 ``layer_options`` and the model-wide stride of ``with_rope_stride``) and reports the spectrum of
 the exact matrix the latent truncates: its singular values, the energy kept at chosen ranks, the
 rank each energy target needs, and the RoPE energy the shared key keeps. ``convert --rank r`` with
-the same settings reports the same ``energy_retained`` per layer.
+the same settings reports the same ``energy_retained`` per layer: always weights-only; calibrated, for
+every layer whose kept variant is the plain whitened one (convert also tries others per layer, and its
+``layer_variant`` says which each layer kept).
 
 Weights are read lazily, one layer's attention at a time, so a 70B model fits on a laptop.
 """
@@ -40,8 +42,6 @@ class SpectraOptions:
     kv_keep: float | None = None  # recommend (R, r) for this budget, as ``convert --kv-keep`` would choose them
     rope_dim: int | None = None
     rope_stride: int | None = None
-    query_weighted_rope: bool = False
-    kv_balance: float = 1.0
     revision: str | None = None
     allow_sliding_window: bool = False
     calib: list[str] = field(default_factory=list)
@@ -54,7 +54,6 @@ class SpectraOptions:
         """The ``convert`` settings these spectra preview (any rank: it does not enter the analysis)."""
         return ConvertOptions(rank=None if self.kv_keep is not None else 1, kv_keep=self.kv_keep,
                               rope_dim=self.rope_dim, rope_stride=self.rope_stride,
-                              query_weighted_rope=self.query_weighted_rope, kv_balance=self.kv_balance,
                               revision=self.revision, allow_sliding_window=self.allow_sliding_window,
                               calib=self.calib, calib_dataset=self.calib_dataset, calib_tokens=self.calib_tokens,
                               calib_window=self.calib_window, device=self.device)

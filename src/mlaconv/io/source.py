@@ -50,18 +50,43 @@ def resolve_source(source: str, revision: str | None = None) -> Path:
     from huggingface_hub.utils import HfHubHTTPError
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "tokenizer*"]
+    ignore = ["consolidated*"]  # Mistral's second copy of the weights, in its own naming
+    cached = None
     try:
-        return Path(snapshot_download(source, revision=revision, local_files_only=True, allow_patterns=patterns))
+        cached = Path(snapshot_download(source, revision=revision, local_files_only=True, allow_patterns=patterns,
+                                        ignore_patterns=ignore))
     except LocalEntryNotFoundError:
         pass
+    if cached is not None and _has_weights(cached):
+        return cached
     if _hub_offline():
-        raise MlaconvError(
-            f"{source} is neither a local folder nor in the local Hugging Face cache (offline mode is on)"
-        ) from None
+        where = "only partly in the local Hugging Face cache (config but not all weights)" if cached else (
+            "neither a local folder nor in the local Hugging Face cache")
+        raise MlaconvError(f"{source} is {where} and offline mode is on") from None
     try:
-        return Path(snapshot_download(source, revision=revision, allow_patterns=patterns))
+        return Path(snapshot_download(source, revision=revision, allow_patterns=patterns, ignore_patterns=ignore))
     except (HfHubHTTPError, OSError, ValueError) as exc:
         raise MlaconvError(f"{source} is not a local folder and could not be fetched from the hub: {exc}") from None
+
+
+def _has_weights(folder: Path) -> bool:
+    """Whether a cached snapshot holds complete weights (every shard its index names, or a weights file)."""
+    for index in (folder / SAFETENSORS_INDEX, folder / BIN_INDEX):
+        if index.is_file():
+            try:
+                files = set(json.loads(index.read_text())["weight_map"].values())
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+                return True  # present but malformed: let the reader name the problem
+            return all((folder / f).is_file() for f in files)
+    return bool(_weight_files(folder)) or (folder / "pytorch_model.bin").is_file()
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of an unindexed folder (``consolidated*`` is another layout of the same weights)."""
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("consolidated"))
 
 
 def _hub_offline() -> bool:
@@ -242,8 +267,7 @@ def _index_weights(folder: Path) -> tuple[str, dict[str, Path]]:
     index = folder / SAFETENSORS_INDEX
     if index.is_file():
         return "safetensors", _read_index(index)
-    single = folder / "model.safetensors"
-    files = [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
+    files = _weight_files(folder)
     if files:
         return "safetensors", {name: path for path in files for name in read_safetensors_header(path)}
     bin_index = folder / BIN_INDEX
@@ -260,6 +284,8 @@ def _read_index(index: Path) -> dict[str, Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
         raise MlaconvError(f"{index.name} is not a valid weight index: {exc}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise MlaconvError(f"{index.name} is not a valid weight index: weight_map must map names to file names")
     mapping = {name: index.parent / file for name, file in weight_map.items()}
     for path in sorted(set(mapping.values())):
         if not path.is_file():

@@ -66,7 +66,6 @@ class LayerOptions:
     rope_stride: int | None = None  # None: chosen from the energies
     context: int = 4096  # window of the data-free attention profile
     query_weighted_rope: bool = False  # weight each KV head's key energy by the query energy it serves
-    kv_balance: float = 1.0  # weight of the NoPE keys against the values in the joint latent
     latent_weighting: str = "balanced"  # "balanced": K and V blocks at equal energy; "attention": keys
     # weighted by the queries that read them (q·k is what matters), values by W_o (W_o·v is)
     residual_scale: float = 1.0  # α: rescales what o_proj writes into the residual stream
@@ -94,7 +93,6 @@ class LayerReport:
     key_error: float  # measured relative error of the NoPE keys through the latent
     value_error: float  # measured relative error of the values through the latent
     latent_bound: float  # proven max over all tokens of mean(c'²)/ε
-    spectrum: list[float] = field(repr=False)  # eigenvalues of the matrix truncated, descending
     dropped_bias: list[str] = field(default_factory=list)  # bias terms no stock DeepSeek tensor can hold
     attention_error: float | None = None  # measured on calibration windows: ‖MLA − source‖²/‖source‖²
     variant: str = "weights-only"  # which conversion variant this layer kept
@@ -111,7 +109,6 @@ class LayerStats:
 
     metric: torch.Tensor  # E[x xᵀ] [H, H], float64
     rotation_mean: torch.Tensor  # μ [N, F] complex128
-
 
 
 def weights_only_stats(gamma: torch.Tensor, shape: AttentionShape, options: LayerOptions) -> LayerStats:
@@ -215,7 +212,7 @@ def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, opti
     """The stacked target [K_nope; V] and the row weights that choose its latent basis (step 2).
 
     Row weights are a vector (diagonal) for "balanced", a block-diagonal matrix for "attention";
-    either way the K and V blocks are scaled to equal weighted energy, then K by ``kv_balance``.
+    either way the K and V blocks are scaled to equal weighted energy.
     """
     target = torch.cat([k_nope, v], dim=0)
     if options.latent_weighting == "attention":
@@ -229,7 +226,7 @@ def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, opti
     # it is scaled like the other block.
     scale = max(nk, nv, 1e-300)
     nk, nv = (nk if nk > 1e-9 * scale else scale), (nv if nv > 1e-9 * scale else scale)
-    key_weight = key_weight * (options.kv_balance / nk)
+    key_weight = key_weight / nk
     value_weight = value_weight / nv
     if options.latent_weighting == "attention":
         return target, torch.block_diag(key_weight, value_weight)
@@ -344,7 +341,6 @@ def factor_attention(src: SourceAttention, shape: AttentionShape, options: Layer
         key_error=latent_math.relative_error(k_nope, up_k @ lat.down, stats.metric),
         value_error=latent_math.relative_error(src.v, up_v @ lat.down, stats.metric),
         latent_bound=float("nan"),
-        spectrum=spec.values.tolist(),
         dropped_bias=dropped,
     )
     return latent, report

@@ -27,8 +27,8 @@ import torch
 class Spectrum:
     """Eigenvalues (descending) of M Σ Mᵀ and the matching left singular vectors of M Σ½."""
 
-    values: torch.Tensor  # [m]
-    vectors: torch.Tensor  # [m, m]
+    values: torch.Tensor  # [n], n = min(m, H) when m > H, else m
+    vectors: torch.Tensor  # [m, n]
 
     def energy(self, rank: int) -> float:
         total = self.values.sum().item()
@@ -43,11 +43,36 @@ class Spectrum:
 
 
 def spectrum(weighted: torch.Tensor, metric: torch.Tensor) -> Spectrum:
-    """Spectrum of a weighted map M [m, H] in the input metric Σ [H, H] (both float64)."""
-    gram = weighted @ metric @ weighted.T
-    gram = 0.5 * (gram + gram.T)
-    values, vectors = torch.linalg.eigh(gram)
-    return Spectrum(values=values.flip(0).clamp_min(0), vectors=vectors.flip(1))
+    """Spectrum of a weighted map M [m, H] in the input metric Σ [H, H] (both float64).
+
+    With more rows than inputs (MHA: m = 2·n_kv·d > H) the eigenproblem is solved on the smaller side:
+    M Σ Mᵀ = (M L)(M L)ᵀ with Σ = L Lᵀ has the nonzero eigenvalues of (M L)ᵀ(M L) [H, H], and its
+    eigenvectors are M L v / σ. Then ``values`` and ``vectors`` have H entries, not m; the rest are 0.
+    """
+    rows, inputs = weighted.shape
+    if rows <= inputs:
+        gram = weighted @ metric @ weighted.T
+        values, vectors = torch.linalg.eigh(0.5 * (gram + gram.T))
+        return Spectrum(values=values.flip(0).clamp_min(0), vectors=vectors.flip(1))
+    rooted = weighted @ _psd_factor(metric)  # M L [m, H]
+    gram = rooted.T @ rooted
+    values, right = torch.linalg.eigh(0.5 * (gram + gram.T))
+    values, right = values.flip(0).clamp_min(0), right.flip(1)
+    sigma = values.sqrt()
+    cutoff = sigma.max() * max(rows, inputs) * torch.finfo(sigma.dtype).eps
+    scale = torch.where(sigma > cutoff, 1.0 / sigma.clamp_min(torch.finfo(sigma.dtype).tiny), torch.zeros_like(sigma))
+    return Spectrum(values=values, vectors=(rooted @ right) * scale)
+
+
+def _psd_factor(metric: torch.Tensor) -> torch.Tensor:
+    """L with L Lᵀ = Σ: Cholesky when Σ is positive definite, else the symmetric square root."""
+    if torch.count_nonzero(metric - torch.diag(metric.diagonal())) == 0:
+        return torch.diag(metric.diagonal().clamp_min(0).sqrt())
+    factor, info = torch.linalg.cholesky_ex(metric)
+    if info.item() == 0:
+        return factor
+    values, vectors = torch.linalg.eigh(0.5 * (metric + metric.T))
+    return (vectors * values.clamp_min(0).sqrt()) @ vectors.T
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,9 @@ def tiny_latent(down: torch.Tensor, gamma: torch.Tensor, typical_rms: float,
                 delta: float = DEFAULT_DELTA, eps: float = LATENT_NORM_EPS) -> TinyLatent:
     """β, the norm weight and the up-projection scale for a latent ``down`` [r, H] read after norm weight γ [H]."""
     rank, hidden = down.shape
-    sigma_max = torch.linalg.matrix_norm(down * gamma[None, :], ord=2).item()
+    scaled = down * gamma[None, :]
+    # σ_max² is the top eigenvalue of the r×r Gram: far cheaper than an SVD of the r×H matrix
+    sigma_max = math.sqrt(max(torch.linalg.eigvalsh(scaled @ scaled.T)[-1].item(), 0.0))
     if sigma_max == 0.0 or typical_rms == 0.0:  # an all-zero latent: any scale is exact
         return TinyLatent(beta=1.0, norm_weight=1.0, up_scale=0.0, bound=0.0)
     beta = math.sqrt(delta * eps * rank / hidden) / sigma_max

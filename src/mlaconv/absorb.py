@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from mlaconv import __version__, deepseek
+from mlaconv.arch import rope_settings
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, ShardedWriter, atomic_output_dir, read_config
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
@@ -48,7 +49,6 @@ FORMAT = "mlaconv-absorbed-mla"
 FORMAT_VERSION = 1
 ROPE_INV_FREQ = "rope.inv_freq"
 DEFAULT_MAX_NORM_NONLINEARITY = 1e-5
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # frequencies fixed per pair; no YaRN mscale
 
 LAYER_TENSORS = {
     "q_latent": ("[N, r, H]", "W^UK folded into the NoPE query: head n's query in latent space is q_latent[n] @ x"),
@@ -174,21 +174,7 @@ class RopeSpec:
 
     @classmethod
     def from_config(cls, config: dict) -> "RopeSpec":
-        params = config.get("rope_parameters")
-        if isinstance(params, dict) and "rope_theta" in params:
-            theta = float(params["rope_theta"])
-            scaling = {k: v for k, v in params.items() if k != "rope_theta"} or None
-        else:
-            theta = float(config.get("rope_theta", 10000.0))
-            scaling = dict(config["rope_scaling"]) if config.get("rope_scaling") else None
-        if scaling is not None and "type" in scaling and "rope_type" not in scaling:
-            scaling["rope_type"] = scaling.pop("type")
-        kind = (scaling or {}).get("rope_type", "default")
-        if kind not in SUPPORTED_ROPE_TYPES:
-            raise MlaconvError(f"rope type {kind!r} is not supported by the absorbed form "
-                               f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-        if kind == "default":
-            scaling = None
+        theta, scaling = rope_settings(config)
         if not config.get("rope_interleave", True):
             raise MlaconvError("rope_interleave is false; the absorbed form describes interleaved RoPE only")
         inv_freq = rope.scaled_frequencies(theta, int(config["qk_rope_head_dim"]), scaling)

@@ -154,7 +154,7 @@ class SourceSpec:
         if config.get("partial_rotary_factor", 1.0) != 1.0:
             raise MlaconvError("partial_rotary_factor != 1 (partial-rotary sources) is not supported")
         _check_sliding_window(family, config, allow_sliding_window)
-        rope_theta, rope_scaling = _rope_settings(config)
+        rope_theta, rope_scaling = rope_settings(config)
         qkv_bias = _bias(family.qkv_bias, config)
         o_bias = _bias(family.o_bias, config)
         return cls(
@@ -224,8 +224,9 @@ def _check_sliding_window(family: Family, config: dict, allow: bool) -> None:
         )
 
 
-def _rope_settings(config: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either the 4.x keys or the 5.x ``rope_parameters``."""
+def rope_settings(config: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either the 4.x keys or the 5.x ``rope_parameters``; rope_scaling is
+    None for plain RoPE, and only the types whose frequencies are fixed per pair are accepted."""
     params = config.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params:
         theta = params["rope_theta"]

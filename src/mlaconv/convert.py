@@ -27,7 +27,7 @@ from mlaconv.io import (CheckpointReader, ShardedWriter, atomic_output_dir, chec
                         read_config, resolve_source)
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
 from mlaconv.model_card import write_model_card
-from mlaconv.models import check_device
+from mlaconv.models import DTYPES, check_device
 from mlaconv.progress import Progress, no_progress
 from mlaconv.mla import rope
 from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, MLAAttention, SourceAttention,
@@ -35,8 +35,6 @@ from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, ML
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, LATENT_NORM_EPS
 from mlaconv.mla.refine import refine, refinement_flops
 
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
     "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja", "chat_template.json",

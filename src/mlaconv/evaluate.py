@@ -28,11 +28,9 @@ import torch
 from mlaconv.errors import MlaconvError
 from mlaconv.progress import Progress, no_progress
 from mlaconv.io import read_config, resolve_source
-from mlaconv.models import (available_memory_bytes, check_device, kv_cache_bytes_per_token, kv_cache_elements, load_causal_lm,
-                            load_tokenizer, parameter_bytes)
+from mlaconv.models import (DTYPES, available_memory_bytes, check_device, kv_cache_bytes_per_token, kv_cache_elements,
+                            load_causal_lm, load_tokenizer, parameter_bytes)
 
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_WINDOW = 2048
 WIKITEXT = ("wikitext", "wikitext-2-raw-v1", "test")
 DEFAULT_SPLIT = "test"

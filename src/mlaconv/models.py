@@ -9,6 +9,8 @@ import torch
 
 from mlaconv.errors import MlaconvError
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype choices
+
 
 def load_causal_lm(folder: str | Path, dtype: torch.dtype = torch.float32, device_map: str | None = None,
                    device: str | None = None):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaconv.mla.attention import MLAAttention, SourceAttention
+from mlaconv.mla.rope import rotate_interleaved
 
 
 def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,13 +34,6 @@ def rotate_half_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def rotate_interleaved(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """RoPE in DeepSeek's interleaved layout: pair i = (x[2i], x[2i+1]); x [..., S, R], angles [S, R/2]."""
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,7 +72,8 @@ def mla_attention(x: torch.Tensor, w: MLAAttention, heads: Heads, rank: int, rop
     k_rope = compressed[..., rank:].unsqueeze(1)  # [B, 1, S, R], shared by all heads
     kv = _linear(latent, w.kv_b_proj).view(B, S, N, 2 * d).transpose(1, 2)
     k_nope, v = kv[..., :d], kv[..., d:]
-    q_rope, k_rope = rotate_interleaved(q_rope, angles), rotate_interleaved(k_rope, angles)
+    cos, sin = angles.cos().to(q_rope.dtype), angles.sin().to(q_rope.dtype)
+    q_rope, k_rope = rotate_interleaved(q_rope, cos, sin), rotate_interleaved(k_rope, cos, sin)
     k = torch.cat([k_nope, k_rope.expand(B, N, S, R)], dim=-1)
     q = torch.cat([q_nope, q_rope], dim=-1)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # scale (d+R)^-½ as DeepSeek

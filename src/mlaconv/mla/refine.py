@@ -16,12 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaconv.mla.attention import AttentionShape, LatentAttention
-
-
-def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """DeepSeek's RoPE on interleaved pairs (2i, 2i+1); x [..., S, R], cos/sin [S, R/2]."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+from mlaconv.mla.rope import rotate_interleaved
 
 
 def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentAttention, shape: AttentionShape,

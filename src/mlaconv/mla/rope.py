@@ -179,3 +179,9 @@ def scaled_frequencies(theta: float, head_dim: int, rope_scaling: dict | None) -
         return torch.where(wavelength > original / low, freqs / factor,
                            torch.where(wavelength < original / high, freqs, blended))
     return freqs
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's RoPE on interleaved pairs (2i, 2i+1) of x [..., S, R]; cos/sin [S, R/2]."""
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from mlaconv.absorb import AbsorbedAttention, MLAShape, StandardAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
+from mlaconv.mla.rope import rotate_interleaved
 
 
 def widened(x: torch.Tensor) -> torch.Tensor:
@@ -23,12 +24,6 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     """cos and sin of pos·inv_freq, each [S, R/2], computed in float64 then cast to ``dtype``."""
     angles = positions.to(torch.float64)[:, None] * inv_freq.to(device=positions.device, dtype=torch.float64)[None]
     return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x [..., S, R] by the angles behind cos/sin [S, R/2]."""
-    a, b = x[..., 0::2], x[..., 1::2]
-    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
 
 
 def causal_mask(new: int, total: int, device: torch.device) -> torch.Tensor | None:

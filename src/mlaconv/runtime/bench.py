@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 from mlaconv.absorb import MLAShape, StandardAttention, absorb_attention
 from mlaconv.errors import MlaconvError
+from mlaconv.mla.rope import rotate_interleaved
 from mlaconv.runtime.attention import (absorbed_attention, attend_latent, expanded_attention, latent_rows,
-                                       rope_cos_sin, rotate_interleaved, standard_latent_rows)
+                                       rope_cos_sin, standard_latent_rows)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768)

@@ -16,7 +16,7 @@ import torch
 
 from mlaconv.arch import SourceSpec
 from mlaconv.errors import MlaconvError
-from mlaconv.evaluate import load_dataset_text, read_text, read_token_lines
+from mlaconv.io.text import load_dataset_text, read_text, read_token_lines
 from mlaconv.io import CheckpointReader
 from mlaconv.models import load_tokenizer
 from mlaconv.mla.attention import LayerStats, MLAAttention, SourceAttention

@@ -16,7 +16,6 @@ drift, KL(baseline ‖ model) and top-1 agreement per scored token, and standard
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -28,12 +27,11 @@ import torch
 from mlaconv.errors import MlaconvError
 from mlaconv.progress import Progress, no_progress
 from mlaconv.io import read_config, resolve_source
+from mlaconv.io.text import load_dataset_text, parse_dataset, read_text, read_token_lines
 from mlaconv.models import (DTYPES, available_memory_bytes, check_device, kv_cache_bytes_per_token, kv_cache_elements,
                             load_causal_lm, load_tokenizer, parameter_bytes)
 
 DEFAULT_WINDOW = 2048
-WIKITEXT = ("wikitext", "wikitext-2-raw-v1", "test")
-DEFAULT_SPLIT = "test"
 # Rows × vocab of logits turned into float32 log-probabilities at once (64 MiB per model).
 LOGIT_CHUNK_ELEMENTS = 2**24
 # Share of the free memory both models and their logits may take before they run one after the other.
@@ -60,7 +58,7 @@ class TokenSource:
 
     def describe(self) -> str:
         if self.dataset is not None:
-            name, config, split = _parse_dataset(self.dataset)
+            name, config, split = parse_dataset(self.dataset)
             return f"dataset {name}{':' + config if config else ''}, split {split}"
         return f"text {self.text}" if self.text is not None else f"token ids {self.tokens}"
 
@@ -401,63 +399,3 @@ def _free_memory(device: str | None, device_map: str | None) -> int:
         if device and torch.device(device).type == "cuda":
             return torch.cuda.mem_get_info(torch.device(device))[0]
     return available_memory_bytes()
-
-
-def read_text(path: Path) -> str:
-    if not path.is_file():
-        raise MlaconvError(f"no such text file: {path}")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise MlaconvError(f"{path} is not UTF-8 text: {exc}") from None
-
-
-def read_token_lines(path: Path) -> list[torch.Tensor]:
-    """One [length] int64 tensor per non-blank ``{"input_ids": [...]}`` line."""
-    if not path.is_file():
-        raise MlaconvError(f"no such token file: {path}")
-    sequences = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)["input_ids"]
-                if not all(isinstance(i, int) and i >= 0 for i in ids):
-                    raise ValueError
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                raise MlaconvError(f"{path} line {number}: expected {{\"input_ids\": [non-negative integers]}}") from None
-            sequences.append(torch.tensor(ids, dtype=torch.long))
-    if not any(len(ids) for ids in sequences):
-        raise MlaconvError(f"{path} holds no token ids: there is nothing to evaluate on")
-    return sequences
-
-
-def _parse_dataset(spec: str, default_split: str = DEFAULT_SPLIT) -> tuple[str, str | None, str]:
-    """``NAME[:CONFIG[:SPLIT]]`` → (name, config, split); plain ``wikitext`` is WikiText-2 raw."""
-    if spec == WIKITEXT[0]:
-        return WIKITEXT[0], WIKITEXT[1], default_split
-    name, config, split = (spec.split(":") + [None, None])[:3]
-    if not name or spec.count(":") > 2:
-        raise MlaconvError(f"dataset {spec!r}: expected NAME[:CONFIG[:SPLIT]], e.g. wikitext:wikitext-2-raw-v1:test")
-    return name, config or None, split or default_split
-
-
-def load_dataset_text(spec: str, default_split: str = DEFAULT_SPLIT) -> str:
-    """The dataset's ``text`` column joined with blank lines, as the GPTQ protocol does for WikiText-2."""
-    name, config, split = _parse_dataset(spec, default_split)
-    try:
-        import datasets
-    except ImportError:
-        raise MlaconvError("--dataset needs the `datasets` library: pip install 'mlaconv[datasets]'") from None
-    datasets.disable_progress_bars()
-    try:
-        data = datasets.load_dataset(name, config, split=split)
-    except Exception as exc:  # datasets raises many types; offline, "not cached" is the usual one
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise MlaconvError(f"cannot load dataset {name} (config {config}, split {split}): {reason} "
-                           "(without network, set HF_HUB_OFFLINE=1 and have it in the local Hugging Face datasets "
-                           "cache, or pass --text FILE)") from None
-    if "text" not in data.column_names:
-        raise MlaconvError(f"dataset {name} has no 'text' column (columns: {', '.join(data.column_names)})")
-    return "\n\n".join(data["text"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 import json
 import weakref
 from pathlib import Path
@@ -72,6 +73,36 @@ def test_energy_retained_equals_measured_calibration_error(tiny_model):
         assert factors.energy == pytest.approx(1 - measured.item(), abs=1e-6)
         _, report = convert_attention(attention, shape, options, stats)
         assert report.energy_retained == pytest.approx(factors.energy, abs=1e-12)
+
+
+def test_attention_weighted_latent_is_optimal_in_its_own_metric(tiny_model):
+    """The attention-weighted latent (keys weighted by the queries that read them, values by W_o) has the
+    least error in that weighted norm at every rank, equal to 1 − its energy; the balanced latent's is larger."""
+    src = tiny_model(kv_heads=2, head_dim=16, hidden=64)
+    spec, reader = open_source(src)
+    streamer = SourceStreamer(reader, spec, CalibrationOptions(random_tokens(4, 32, spec.vocab_size, seed=8)))
+    attention = read_attention(reader, spec, 0)
+    stats = streamer.stats(0, attention)
+    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    balanced_options = LayerOptions(rank=1, rope_dim=8, rope_theta=spec.rope_theta, rope_stride=1)
+    balanced = analyse_layer(attention, shape, balanced_options, stats)
+    weighted = analyse_layer(attention, shape, replace(balanced_options, latent_weighting="attention"), stats)
+    assert torch.equal(balanced.target, weighted.target) and weighted.row_weight.dim() == 2
+    root = torch.linalg.cholesky(stats.metric)
+    full = weighted.row_weight @ weighted.target @ root
+
+    def weighted_error(factors) -> float:
+        residual = weighted.row_weight @ (weighted.target - factors.up @ factors.down) @ root
+        return (residual.pow(2).sum() / full.pow(2).sum()).item()
+
+    gaps = []
+    for rank in (2, 6, 12, 24):
+        ours = latent.factor(weighted.target, weighted.row_weight, stats.metric, rank, weighted.spectrum)
+        other = latent.factor(balanced.target, balanced.row_weight, stats.metric, rank, balanced.spectrum)
+        assert weighted_error(ours) == pytest.approx(1 - ours.energy, abs=1e-9)
+        assert weighted_error(ours) <= weighted_error(other) + 1e-12
+        gaps.append(weighted_error(other) - weighted_error(ours))
+    assert max(gaps) > 1e-3  # the weighting changes the basis, not only the bookkeeping
 
 
 @pytest.fixture(scope="module")

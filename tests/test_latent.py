@@ -59,3 +59,20 @@ def test_full_rank_reconstructs_exactly_when_tall():
     lat = latent.factor(target, torch.ones(20, dtype=torch.float64), metric, 6)
     assert lat.energy == 1.0 or abs(lat.energy - 1.0) <= 1e-12
     assert torch.allclose(lat.up @ lat.down, target, atol=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=sizes, seed=st.integers(0, 2**31 - 1), rank_fraction=st.floats(0.0, 1.0))
+def test_a_diagonal_metric_given_as_its_diagonal_gives_the_same_latent(size, seed, rank_fraction):
+    """Weights-only conversion keeps diag γ² as a vector; every result equals the dense diag(γ²) one."""
+    rows, inputs = size
+    target, dense = random_problem(rows, inputs, seed, diagonal=True, singular=False)
+    diagonal = dense.diagonal().clone()
+    rank = max(1, round(rank_fraction * min(rows, inputs)))
+    weights = torch.rand(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.5
+    a = latent.factor(target, weights, dense, rank)
+    b = latent.factor(target, weights, diagonal, rank)
+    assert abs(a.energy - b.energy) <= 1e-12
+    assert torch.allclose(a.up @ a.down, b.up @ b.down, atol=1e-9 * target.abs().max().item())
+    assert abs(latent.relative_error(target, b.up @ b.down, diagonal)
+               - latent.relative_error(target, a.up @ a.down, dense)) <= 1e-12

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from mlaconv.mla import latent as latent_math
+from mlaconv.mla import metric as metric_math
 from mlaconv.mla import rope
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
 
@@ -107,15 +108,15 @@ class LayerStats:
     rotation of a key component that loses it. Calibration measures it; without data a prior is used.
     """
 
-    metric: torch.Tensor  # E[x xᵀ] [H, H], float64
+    metric: torch.Tensor  # E[x xᵀ] [H, H] float64, or its diagonal [H] (``mla.metric``)
     rotation_mean: torch.Tensor  # μ [N, F] complex128
 
 
 def weights_only_stats(gamma: torch.Tensor, shape: AttentionShape, options: LayerOptions) -> LayerStats:
-    """Statistics without data: ĥ isotropic (E[x xᵀ] = diag γ²) and the prior attention profile."""
+    """Statistics without data: ĥ isotropic (E[x xᵀ] = diag γ², kept as its diagonal) and the prior attention profile."""
     freqs = rope.scaled_frequencies(options.rope_theta, shape.head_dim, options.rope_scaling)
     mean = rope.prior_rotation_mean(freqs, options.context)
-    return LayerStats(metric=torch.diag(gamma.to(torch.float64) ** 2), rotation_mean=mean[None, :].expand(shape.heads, -1))
+    return LayerStats(metric=gamma.to(torch.float64) ** 2, rotation_mean=mean[None, :].expand(shape.heads, -1))
 
 
 def full_rank(shape: AttentionShape, rope_dim: int) -> int:
@@ -126,7 +127,7 @@ def full_rank(shape: AttentionShape, rope_dim: int) -> int:
 def query_energy_per_head(q: torch.Tensor, shape: AttentionShape, metric: torch.Tensor) -> torch.Tensor:
     """E|q_h^j|² → [F, N]."""
     zq = rope.complex_pairs(q, shape.heads)  # [F, N, H]
-    return torch.einsum("fnh,hk,fnk->fn", zq, metric.to(zq.dtype), zq.conj()).real
+    return metric_math.energy(zq, metric)
 
 
 def unrotation_cost(stats: LayerStats) -> torch.Tensor:
@@ -179,12 +180,11 @@ def decompose_keys(k: torch.Tensor, q: torch.Tensor, shape: AttentionShape, stat
 
 def _complex_energy(z: torch.Tensor, metric: torch.Tensor) -> float:
     """Σ E|z·x|² over complex rows z [..., H]."""
-    zr = z.reshape(-1, z.shape[-1])
-    return torch.einsum("nh,hk,nk->", zr, metric.to(zr.dtype), zr.conj()).real.item()
+    return metric_math.total_energy(z, metric)
 
 
 def block_norm(w: torch.Tensor, metric: torch.Tensor) -> float:
-    return math.sqrt(max(torch.einsum("ij,jk,ik->", w, metric, w).item(), 0.0))
+    return math.sqrt(max(metric_math.total_energy(w, metric), 0.0))
 
 
 def _psd_root(m: torch.Tensor) -> torch.Tensor:
@@ -201,7 +201,7 @@ def attention_row_weights(q_nope: torch.Tensor, o: torch.Tensor, shape: Attentio
     """
     N, G, d = shape.heads, shape.kv_heads, shape.head_dim
     q = q_nope.reshape(N, d, -1)
-    query_moment = torch.einsum("ndh,hk,nek->nde", q, metric, q).reshape(G, shape.group, d, d).sum(1)
+    query_moment = (metric_math.times(q, metric) @ q.transpose(1, 2)).reshape(G, shape.group, d, d).sum(1)
     o_heads = o.reshape(o.shape[0], N, d).transpose(0, 1)  # [N, H, d]
     output_moment = (o_heads.transpose(1, 2) @ o_heads).reshape(G, shape.group, d, d).sum(1)
     return _psd_root(query_moment), _psd_root(output_moment)
@@ -353,7 +353,7 @@ def assemble(latent: LatentAttention, shape: AttentionShape, options: LayerOptio
     N, G, d, R, r = shape.heads, shape.kv_heads, shape.head_dim, options.rope_dim, options.rank
     group_of_head = torch.arange(N) // shape.group
     down = latent.down.to(torch.float64)
-    typical_rms = math.sqrt(max(torch.einsum("ij,jk,ik->", down, metric, down).item(), 0.0) / r)
+    typical_rms = math.sqrt(max(metric_math.total_energy(down, metric), 0.0) / r)
     tiny = tiny_latent(down, gamma.to(torch.float64), typical_rms, delta=options.delta)
     q_proj = torch.cat([latent.q_nope.reshape(N, d, -1), latent.q_rope.reshape(N, R, -1)], dim=1)
     kv_b = torch.stack([latent.up_k.reshape(G, d, r), latent.up_v.reshape(G, d, r)], dim=1)  # [G, 2, d, r]

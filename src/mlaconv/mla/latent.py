@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mlaconv.mla import metric as metric_math
+
 
 @dataclass(frozen=True)
 class Spectrum:
@@ -43,7 +45,7 @@ class Spectrum:
 
 
 def spectrum(weighted: torch.Tensor, metric: torch.Tensor) -> Spectrum:
-    """Spectrum of a weighted map M [m, H] in the input metric Σ [H, H] (both float64).
+    """Spectrum of a weighted map M [m, H] in the input metric Σ ([H, H] or its diagonal; float64).
 
     With more rows than inputs (MHA: m = 2·n_kv·d > H) the eigenproblem is solved on the smaller side:
     M Σ Mᵀ = (M L)(M L)ᵀ with Σ = L Lᵀ has the nonzero eigenvalues of (M L)ᵀ(M L) [H, H], and its
@@ -51,10 +53,10 @@ def spectrum(weighted: torch.Tensor, metric: torch.Tensor) -> Spectrum:
     """
     rows, inputs = weighted.shape
     if rows <= inputs:
-        gram = weighted @ metric @ weighted.T
+        gram = metric_math.times(weighted, metric) @ weighted.T
         values, vectors = torch.linalg.eigh(0.5 * (gram + gram.T))
         return Spectrum(values=values.flip(0).clamp_min(0), vectors=vectors.flip(1))
-    rooted = weighted @ _psd_factor(metric)  # M L [m, H]
+    rooted = metric_math.times(weighted, metric_math.root(metric))  # M L [m, H]
     gram = rooted.T @ rooted
     values, right = torch.linalg.eigh(0.5 * (gram + gram.T))
     values, right = values.flip(0).clamp_min(0), right.flip(1)
@@ -62,17 +64,6 @@ def spectrum(weighted: torch.Tensor, metric: torch.Tensor) -> Spectrum:
     cutoff = sigma.max() * max(rows, inputs) * torch.finfo(sigma.dtype).eps
     scale = torch.where(sigma > cutoff, 1.0 / sigma.clamp_min(torch.finfo(sigma.dtype).tiny), torch.zeros_like(sigma))
     return Spectrum(values=values, vectors=(rooted @ right) * scale)
-
-
-def _psd_factor(metric: torch.Tensor) -> torch.Tensor:
-    """L with L Lᵀ = Σ: Cholesky when Σ is positive definite, else the symmetric square root."""
-    if torch.count_nonzero(metric - torch.diag(metric.diagonal())) == 0:
-        return torch.diag(metric.diagonal().clamp_min(0).sqrt())
-    factor, info = torch.linalg.cholesky_ex(metric)
-    if info.item() == 0:
-        return factor
-    values, vectors = torch.linalg.eigh(0.5 * (metric + metric.T))
-    return (vectors * values.clamp_min(0).sqrt()) @ vectors.T
 
 
 @dataclass(frozen=True)
@@ -104,8 +95,8 @@ def weigh(row_weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def least_squares_up(target: torch.Tensor, down: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
     """argmin_B ‖(T − B·A)Σ½‖: B = TΣAᵀ(AΣAᵀ)⁺, computed with a pseudo-inverse for rank-deficient A."""
-    cross = target @ metric @ down.T  # [m, r]
-    gram = down @ metric @ down.T  # [r, r]
+    cross = metric_math.times(target, metric) @ down.T  # [m, r]
+    gram = metric_math.times(down, metric) @ down.T  # [r, r]
     gram = 0.5 * (gram + gram.T)
     values, vectors = torch.linalg.eigh(gram)
     cutoff = values.max().clamp_min(0) * gram.shape[0] * torch.finfo(gram.dtype).eps
@@ -115,7 +106,6 @@ def least_squares_up(target: torch.Tensor, down: torch.Tensor, metric: torch.Ten
 
 def relative_error(target: torch.Tensor, approx: torch.Tensor, metric: torch.Tensor) -> float:
     """‖(T − T̂)Σ½‖² / ‖TΣ½‖²: the measured relative output error on inputs with second moment Σ."""
-    diff = target - approx
-    num = torch.einsum("ij,jk,ik->", diff, metric, diff)
-    den = torch.einsum("ij,jk,ik->", target, metric, target)
-    return (num / den).item() if den > 0 else 0.0
+    num = metric_math.total_energy(target - approx, metric)
+    den = metric_math.total_energy(target, metric)
+    return num / den if den > 0 else 0.0

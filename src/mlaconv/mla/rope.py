@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mlaconv.mla import metric as metric_math
+
 PRIOR_POWER = 0.5  # data-free attention profile ∝ (1 + Δ)^-0.5, see prior_rotation_mean
 
 
@@ -37,9 +39,8 @@ def real_rows(z: torch.Tensor) -> torch.Tensor:
 
 
 def hermitian_gram(z: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
-    """E[z_g · conj(z_g')] for complex rows z [F, n, H] and a real input metric E[x xᵀ] [H, H] → [F, n, n]."""
-    zm = z @ metric.to(z.dtype)
-    return zm @ z.conj().transpose(-1, -2)
+    """E[z_g · conj(z_g')] for complex rows z [F, n, H] and the input metric E[x xᵀ] (see ``metric``) → [F, n, n]."""
+    return metric_math.times(z, metric) @ z.conj().transpose(-1, -2)
 
 
 @dataclass(frozen=True)

@@ -253,6 +253,16 @@ def test_partly_cached_hub_id_is_named_offline(tiny_model, tmp_path, monkeypatch
     assert not (tmp_path / "out").exists()
 
 
+def test_a_cached_snapshot_is_judged_by_the_weights_the_reader_uses(tiny_model, tmp_path, monkeypatch):
+    """A complete model.safetensors with a stray .bin index (its shards never downloaded) is complete."""
+    src = tiny_model(kv_heads=1, head_dim=16)
+    snapshot = offline_hub_cache(src, tmp_path, monkeypatch)
+    index = {"weight_map": {"model.embed_tokens.weight": "pytorch_model-00001-of-00002.bin"}}
+    (snapshot / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    run("acme/tiny", tmp_path / "out", rank=16, rope_dim=16)
+    assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
+
+
 def test_small_shards_are_indexed_and_load(tiny_model, tmp_path):
     src = tiny_model(kv_heads=2, head_dim=16)
     run(src, tmp_path / "out", rank=24, shard_size=20_000)

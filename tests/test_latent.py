@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlaconv.mla import latent
+from mlaconv.mla.latent_norm import DEFAULT_DELTA, LATENT_NORM_EPS, tiny_latent
 
 sizes = st.tuples(st.integers(2, 24), st.integers(2, 24))
 
@@ -76,3 +80,16 @@ def test_a_diagonal_metric_given_as_its_diagonal_gives_the_same_latent(size, see
     assert torch.allclose(a.up @ a.down, b.up @ b.down, atol=1e-9 * target.abs().max().item())
     assert abs(latent.relative_error(target, b.up @ b.down, diagonal)
                - latent.relative_error(target, a.up @ a.down, dense)) <= 1e-12
+
+
+@pytest.mark.parametrize("scale", [1e-170, 1.0, 1e150])
+def test_tiny_latent_bound_at_extreme_scales(scale):
+    """σ_max comes from a Gram of the scaled latent: no underflow to an 'all-zero' latent, no overflow."""
+    g = torch.Generator().manual_seed(0)
+    down = torch.randn(12, 40, generator=g, dtype=torch.float64) * scale
+    gamma = torch.rand(40, generator=g, dtype=torch.float64) + 0.5
+    tiny = tiny_latent(down, gamma, typical_rms=scale)
+    sigma = torch.linalg.matrix_norm(down * gamma, ord=2).item()
+    assert tiny.up_scale == scale and math.isfinite(tiny.beta) and tiny.beta > 0
+    assert tiny.beta * sigma == pytest.approx(math.sqrt(DEFAULT_DELTA * LATENT_NORM_EPS * 12 / 40), rel=1e-12)
+    assert tiny.bound == pytest.approx(DEFAULT_DELTA, rel=1e-12)

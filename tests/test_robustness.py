@@ -111,7 +111,7 @@ def test_config_and_weights_disagree(src, tmp_path):
     ("hidden_size", "32", "hidden_size = '32' is not a positive int"),
     ("num_hidden_layers", 1.5, "num_hidden_layers = 1.5 is not a positive int"),
     ("rms_norm_eps", "tiny", "rms_norm_eps = 'tiny' is not a positive float"),
-    ("rope_theta", None, "rope_theta = None is not a positive number"),
+    ("rope_theta", "1e4", "rope_theta = '1e4' is not a positive number"),
     ("rope_scaling", [8.0], "rope_scaling = [8.0] is not a mapping"),
 ])
 def test_malformed_config_numbers(src, tmp_path, key, value, match):

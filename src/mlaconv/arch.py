@@ -232,7 +232,8 @@ def rope_settings(config: dict) -> tuple[float, dict | None]:
         theta = params["rope_theta"]
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
-        theta = config.get("rope_theta", 10000.0)
+        theta = config.get("rope_theta")
+        theta = 10000.0 if theta is None else theta
         scaling = config.get("rope_scaling") or None
         if scaling is not None and not isinstance(scaling, dict):
             raise MlaconvError(f"config.json: rope_scaling = {scaling!r} is not a mapping")

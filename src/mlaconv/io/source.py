@@ -70,15 +70,22 @@ def resolve_source(source: str, revision: str | None = None) -> Path:
 
 
 def _has_weights(folder: Path) -> bool:
-    """Whether a cached snapshot holds complete weights (every shard its index names, or a weights file)."""
-    for index in (folder / SAFETENSORS_INDEX, folder / BIN_INDEX):
-        if index.is_file():
-            try:
-                files = set(json.loads(index.read_text())["weight_map"].values())
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-                return True  # present but malformed: let the reader name the problem
-            return all((folder / f).is_file() for f in files)
-    return bool(_weight_files(folder)) or (folder / "pytorch_model.bin").is_file()
+    """Whether a cached snapshot holds complete weights, looked for in the reader's order (``_index_weights``)."""
+    if (folder / SAFETENSORS_INDEX).is_file():
+        return _index_complete(folder / SAFETENSORS_INDEX)
+    if _weight_files(folder):
+        return True
+    if (folder / BIN_INDEX).is_file():
+        return _index_complete(folder / BIN_INDEX)
+    return (folder / "pytorch_model.bin").is_file()
+
+
+def _index_complete(index: Path) -> bool:
+    try:
+        files = set(json.loads(index.read_text())["weight_map"].values())
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        return True  # present but malformed: let the reader name the problem
+    return all(isinstance(f, str) and (index.parent / f).is_file() for f in files)
 
 
 def _weight_files(folder: Path) -> list[Path]:

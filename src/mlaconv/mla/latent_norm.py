@@ -35,8 +35,11 @@ def tiny_latent(down: torch.Tensor, gamma: torch.Tensor, typical_rms: float,
     """β, the norm weight and the up-projection scale for a latent ``down`` [r, H] read after norm weight γ [H]."""
     rank, hidden = down.shape
     scaled = down * gamma[None, :]
+    largest = scaled.abs().max().item()
     # σ_max² is the top eigenvalue of the r×r Gram: far cheaper than an SVD of the r×H matrix
-    sigma_max = math.sqrt(max(torch.linalg.eigvalsh(scaled @ scaled.T)[-1].item(), 0.0))
+    # (formed from the matrix divided by its largest entry, so that it neither underflows nor overflows)
+    unit = scaled / largest if largest > 0 else scaled
+    sigma_max = largest * math.sqrt(max(torch.linalg.eigvalsh(unit @ unit.T)[-1].item(), 0.0)) if largest > 0 else 0.0
     if sigma_max == 0.0 or typical_rms == 0.0:  # an all-zero latent: any scale is exact
         return TinyLatent(beta=1.0, norm_weight=1.0, up_scale=0.0, bound=0.0)
     beta = math.sqrt(delta * eps * rank / hidden) / sigma_max

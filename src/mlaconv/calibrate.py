@@ -89,6 +89,7 @@ class SourceStreamer:
         self.freqs = scaled_frequencies(spec.rope_theta, spec.head_dim, spec.rope_scaling)
         self.angles = rope_angles(self.freqs, options.tokens.shape[1]).to(self.device)
         self.next_layer = 0
+        self._held_out: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     @property
     def token_count(self) -> int:
@@ -127,21 +128,32 @@ class SourceStreamer:
         """
         if i != self.next_layer:
             raise RuntimeError(f"calibration is at layer {self.next_layer}, asked for layer {i}")
-        source_weights = self._on_device(attention)
         mla = MLAAttention(**{name: t.to(self.device, torch.float32) if t is not None else None
                               for name, t in vars(converted).items()})
         angles = rope_angles(slot_frequencies, self.options.tokens.shape[1]).to(self.device)
         error = total = 0.0
         with torch.no_grad():
-            held = self.hidden[: self.options.profile_windows]
-            for start in range(0, held.shape[0], self.options.batch_size):
-                x = rms_norm(held[start : start + self.options.batch_size].to(self.device), source_weights.input_norm,
-                             self.spec.rms_norm_eps)
-                reference = source_attention(x, source_weights, self.heads, self.angles)
+            for x, reference in self._held_out_pairs(i, attention):
                 approx = mla_attention(x, mla, self.heads, rank, rope_dim, angles) / residual_scale
                 error += (approx - reference).double().pow(2).sum().item()
                 total += reference.double().pow(2).sum().item()
         return error / total if total > 0 else 0.0
+
+    def _held_out_pairs(self, i: int, attention: SourceAttention) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per batch of held-out windows, (normalised input, source attention output) of layer i, computed
+        once per layer: every variant of the layer is measured against the same outputs."""
+        if self._held_out is None or self._held_out[0] != i:
+            self._held_out = None  # drop the previous layer's pairs before computing these
+            weights = self._on_device(attention)
+            held = self.hidden[: self.options.profile_windows]
+            pairs = []
+            with torch.no_grad():
+                for start in range(0, held.shape[0], self.options.batch_size):
+                    x = rms_norm(held[start : start + self.options.batch_size].to(self.device), weights.input_norm,
+                                 self.spec.rms_norm_eps)
+                    pairs.append((x, source_attention(x, weights, self.heads, self.angles)))
+            self._held_out = (i, pairs)
+        return self._held_out[1]
 
     def refinement_data(self, i: int, attention: SourceAttention, windows: int):
         """(x, source attention output) pairs [B, S, H] for refining layer i: up to ``windows`` training
@@ -153,13 +165,12 @@ class SourceStreamer:
         if self.hidden.shape[0] <= held:
             return None
         weights = self._on_device(attention)
-
-        def pairs(hidden: torch.Tensor):
-            with torch.no_grad():
-                x = rms_norm(hidden.to(self.device), weights.input_norm, self.spec.rms_norm_eps).float()
-                return x, source_attention(x, weights, self.heads, self.angles)
-
-        return pairs(self.hidden[held : held + windows]), pairs(self.hidden[:held])
+        with torch.no_grad():
+            x = rms_norm(self.hidden[held : held + windows].to(self.device), weights.input_norm,
+                         self.spec.rms_norm_eps).float()
+            train = (x, source_attention(x, weights, self.heads, self.angles))
+        held_out = self._held_out_pairs(i, attention)
+        return train, (torch.cat([x for x, _ in held_out]), torch.cat([y for _, y in held_out]))
 
     def _on_device(self, attention: SourceAttention) -> SourceAttention:
         return SourceAttention(**{name: t.to(self.device, torch.float32) if t is not None else None
@@ -169,6 +180,7 @@ class SourceStreamer:
         """Move the hidden states through source layer i (attention + MLP): every layer is calibrated on
         the source model's own activations."""
         n = self.spec.names
+        self._held_out = None
         attention = self._on_device(attention)
         mlp = MLPWeights(
             gate=self.reader.get(n.in_layer(i, n.gate + ".weight")).to(self.device, torch.float32),

@@ -11,15 +11,19 @@ import torch
 
 
 def times(a: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
-    """a·Σ for rows a [..., H] (real or complex)."""
+    """a·Σ for rows a [..., H] (real or complex; Σ is real, so a complex a takes two real products)."""
     if metric.dim() == 1:
         return a * metric
-    return a @ metric.to(a.dtype)
+    if a.is_complex():
+        return torch.complex(a.real @ metric, a.imag @ metric)
+    return a @ metric
 
 
 def energy(a: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
-    """Σ over the last axis of (a·Σ)·conj(a) → [...]: E|a·x|² per row, real."""
-    return (times(a, metric) * a.conj()).sum(-1).real
+    """E|a·x|² per row of a [..., H] → [...]: Re((a·Σ)·conj(a)), for a complex a = aᵣΣaᵣ + aᵢΣaᵢ."""
+    if a.is_complex():
+        return energy(a.real, metric) + energy(a.imag, metric)
+    return (times(a, metric) * a).sum(-1)
 
 
 def total_energy(a: torch.Tensor, metric: torch.Tensor) -> float:

@@ -195,6 +195,34 @@ def test_same_inputs_give_byte_identical_output(tiny_model, tmp_path, monkeypatc
     assert all(first[name] == second[name] for name in first)
 
 
+def test_measured_attention_error_is_zero_for_an_exact_conversion(tiny_model, tmp_path):
+    """MQA at full rank converts exactly, so the held-out attention error every variant is judged by is ~0
+    in every layer; at a lossy rank it is not, and it is the same however often a layer is measured."""
+    src = tiny_model(kv_heads=1, head_dim=16, layers=3)
+    write_tokens(tmp_path / "calib.jsonl", random_tokens(6, 24, 96, seed=9))
+    common = dict(verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=24, rope_dim=16)
+    exact = convert(str(src), tmp_path / "exact", ConvertOptions(rank=16, **common))
+    assert max(exact["attention_error"]) <= 1e-10
+    lossy = convert(str(src), tmp_path / "lossy", ConvertOptions(rank=4, **common))
+    assert min(lossy["attention_error"]) > 1e-4
+
+    spec, reader = open_source(src)
+    streamer = SourceStreamer(reader, spec, CalibrationOptions(random_tokens(6, 24, 96, seed=9)))
+    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    options = LayerOptions(rank=4, rope_dim=16, rope_theta=spec.rope_theta, rope_stride=1)
+    slots = torch.arange(8, dtype=torch.float64)  # any slot frequencies: the same ones for both calls
+    fresh = SourceStreamer(reader, spec, CalibrationOptions(random_tokens(6, 24, 96, seed=9)))
+    for i in range(spec.num_layers):
+        attention = read_attention(reader, spec, i)
+        mla, _ = convert_attention(attention, shape, options)
+        first = streamer.attention_error(i, attention, mla, 4, 16, slots, 1.0)
+        assert streamer.attention_error(i, attention, mla, 4, 16, slots, 1.0) == first
+        if i == spec.num_layers - 1:  # nothing of the earlier layers' measurements leaks into this one
+            assert fresh.attention_error(i, attention, mla, 4, 16, slots, 1.0) == first
+        streamer.advance(i, attention)
+        fresh.advance(i, attention)
+
+
 def test_calibration_tokens_from_text_and_bad_input(tiny_model, tmp_path):
     from mlaconv.errors import MlaconvError
 

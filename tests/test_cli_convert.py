@@ -103,3 +103,14 @@ def test_rope_stride_with_kv_keep_search(tiny_model, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["rope_stride"] == 2
+
+
+def test_calibrated_summary_shows_variants_errors_and_refinement(stories, tmp_path):
+    ids = [json.loads(line)["input_ids"][:64] for line in (stories / "samples.jsonl").read_text().splitlines()[:4]]
+    (tmp_path / "calib.jsonl").write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in ids))
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["convert", str(stories), str(tmp_path / "out"), "--rank", "24",
+                                                            "--no-verify", "--calib", str(tmp_path / "calib.jsonl"),
+                                                            "--calib-window", "64"])
+    assert result.exit_code == 0, result.output
+    assert "attention error" in result.output and "variant" in result.output
+    assert "calibration: 4 windows of 64 tokens; refinement: skipped: no calibration windows beyond the 16" in result.output

@@ -94,14 +94,30 @@ def render_report(report: dict, console) -> None:
         f"({report['kv_keep']:.1%} kept; r = {report['kv_lora_rank']}, R = {report['qk_rope_head_dim']}, "
         f"rope stride {report['rope_stride']}); {report['shape_choice']}", highlight=False
     )
+    search = report.get("shape_search") or {}
+    if search.get("candidates"):
+        console.print("splits measured: " + ", ".join(
+            f"{c['kv_lora_rank']} + {c['qk_rope_head_dim']}: {c['mean_attention_error']:.4f}" for c in search["candidates"]
+        ) + " (mean attention error)", highlight=False)
+    calibrated = report.get("calibration") is not None
     table = Table(title="per layer", show_lines=False)
-    for column in ("layer", "latent energy", "RoPE energy kept", "key error", "value error"):
-        table.add_column(column, justify="right")
+    columns = ["layer", "latent energy", "RoPE energy kept", "key error", "value error"]
+    for column in columns + (["attention error", "variant"] if calibrated else []):
+        table.add_column(column, justify="left" if column == "variant" else "right")
     energy = report["energy_retained"]["per_layer"]
     for i, values in enumerate(zip(energy, report["rope_energy_kept"], report["key_error"], report["value_error"])):
-        table.add_row(str(i), *(f"{v:.4f}" for v in values))
-    table.add_row("mean", f"{report['energy_retained']['mean']:.4f}", f"{report['rope_energy_kept_mean']:.4f}", "", "")
+        cells = [f"{v:.4f}" for v in values]
+        if calibrated:
+            cells += [f"{report['attention_error'][i]:.4f}", report["layer_variant"][i]]
+        table.add_row(str(i), *cells)
+    table.add_row("mean", f"{report['energy_retained']['mean']:.4f}", f"{report['rope_energy_kept_mean']:.4f}",
+                  *([""] * (len(table.columns) - 3)))
     console.print(table)
+    if calibrated:
+        calibration = report["calibration"]
+        steps = f" ({calibration['refine_steps']} steps a layer)" if calibration["refine_steps"] else ""
+        console.print(f"calibration: {calibration['windows']} windows of {calibration['window']} tokens; refinement: "
+                      f"{calibration['refinement']}{steps}", highlight=False)
     check = report.get("verify")
     if check and "error" in check:
         console.print(f"[yellow]check:[/] {check['error']} (the checkpoint was kept)", highlight=False)

@@ -69,6 +69,10 @@ def _introduction(report: dict) -> str:
     if calibration:
         how += (f", on {calibration['tokens']:,} calibration tokens ({calibration['windows']} windows of "
                 f"{calibration['window']})")
+        refined = sum("refined" in v for v in report.get("layer_variant", []))
+        if refined:
+            how += (f", with {refined} of {len(report['layer_variant'])} layers refined by gradient steps on their own "
+                    "attention-output error")
     return "\n".join([
         f"# {Path(str(report.get('output', 'model'))).name}",
         "",
@@ -78,7 +82,7 @@ def _introduction(report: dict) -> str:
         "`DeepseekV3ForCausalLM` in stock transformers (≥ 4.53), vLLM and SGLang, with no custom code "
         "and no `trust_remote_code`.",
         "",
-        f"Conversion: {how}; no training afterwards. The KV cache holds one latent of rank "
+        f"Conversion: {how}; the model as a whole was not trained or fine-tuned afterwards. The KV cache holds one latent of rank "
         f"r = {report['kv_lora_rank']} plus one shared RoPE key of R = {report['qk_rope_head_dim']} dims per "
         "token and layer, instead of a key and a value per KV head. Every figure below is also in "
         "`mlaconv.json` in this folder.",

@@ -82,3 +82,16 @@ def test_card_without_a_check(report, check, expected):
 def test_card_renders_an_evaluation_it_does_not_know(report):
     card = render_model_card({**report, "eval": {"hellaswag": {"acc": 0.5, "acc_norm": 0.61}, "limit": 100}})
     assert "### hellaswag" in card and "| acc_norm | 0.61 |" in card and "| limit | 100 |" in card
+
+
+def test_card_says_which_layers_were_refined(report):
+    calibrated = copy.deepcopy(report)
+    calibrated["mode"] = "calibrated"
+    calibrated["calibration"] = {"tokens": 4096, "windows": 16, "window": 256, "refine_steps": 200, "refinement": "default"}
+    calibrated["layer_variant"] = ["calibrated, refined", "calibrated", "weights-only, refined", "calibrated",
+                                   "calibrated, attention-weighted latent"]
+    calibrated["attention_error"] = [0.1] * 5
+    card = render_model_card(calibrated)
+    assert "calibrated, on 4,096 calibration tokens (16 windows of 256), with 2 of 5 layers refined" in card
+    assert "not trained or fine-tuned afterwards" in card
+    assert "refined" not in render_model_card(report).split("## KV cache")[0]

@@ -38,7 +38,8 @@ MODELS = {
 METHODS = ("joint-svd", "transmla", "mlaconv-w", "mlaconv-c")
 
 
-def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_steps: int | None) -> dict:
+def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_steps: int | None,
+               refine_batch: int = 4) -> dict:
     """Convert ``source`` with one method at one budget; return what the conversion chose."""
     if method == "joint-svd":
         report = convert_joint_svd(source, out, kv_keep=kv_keep)
@@ -52,6 +53,7 @@ def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_step
         options.calib_tokens = CALIB_WINDOWS * WINDOW
         options.calib_window = WINDOW
         options.refine_steps = refine_steps
+        options.refine_batch = refine_batch
     report = convert(str(source), out, options)
     return {"r": report["kv_lora_rank"], "R": report["qk_rope_head_dim"], "variants": report["layer_variant"],
             "refinement": (report.get("calibration") or {}).get("refinement")}
@@ -64,6 +66,7 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))
     parser.add_argument("--refine-steps", type=int, default=None,
                         help="mlaconv-c: layer-wise refinement steps (default: mlaconv's own default)")
+    parser.add_argument("--refine-batch", type=int, default=4, help="mlaconv-c: windows per step with --refine-steps")
     parser.add_argument("--work", type=Path, default=HERE / "_work" / "fidelity", help="where checkpoints go")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args()
@@ -79,7 +82,7 @@ def main() -> None:
                 out = args.work / name / f"{method}-{int(round(cut * 1000))}"
                 shutil.rmtree(out, ignore_errors=True)
                 started = time.perf_counter()
-                chosen = run_method(method, source, out, 1 - cut, args.refine_steps)
+                chosen = run_method(method, source, out, 1 - cut, args.refine_steps, args.refine_batch)
                 seconds = time.perf_counter() - started
                 row = {"model": name, "method": method, "cut": cut, **chosen, "convert_s": round(seconds, 1),
                        **fidelity(source, out, eval_source(source))}

@@ -223,6 +223,31 @@ def test_measured_attention_error_is_zero_for_an_exact_conversion(tiny_model, tm
         fresh.advance(i, attention)
 
 
+def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_samples, tmp_path, monkeypatch):
+    """Full refinement where it is estimated to be affordable; on a slow CPU, steps of one window (at least 25)
+    that fit the 30-minute budget; slower still, none — and the note says which."""
+    import mlaconv.convert as conversion
+
+    write_tokens(tmp_path / "calib.jsonl", stories_samples[:24])
+    options = ConvertOptions(rank=24, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=96)
+    plan = conversion.plan_conversion(str(stories), options)
+    streamer = conversion.calibration_streamer(plan, options)
+    full_flops = conversion.DEFAULT_REFINE_STEPS * plan.spec.num_layers * conversion.refinement_flops(
+        plan.shape, plan.shapes.rope_dim, plan.shapes.rank, 4 * 96, 96)
+
+    def planned(cpu_seconds_for_the_full_refinement: float):
+        monkeypatch.setattr(conversion, "CPU_FLOPS", full_flops / cpu_seconds_for_the_full_refinement)
+        return conversion.refinement_plan(plan, options, streamer)
+
+    assert (planned(600).steps, planned(600).batch, planned(600).note) == (200, 4, "default")
+    reduced = planned(4 * 3600)
+    assert reduced.batch == 1 and 25 <= reduced.steps < 200 and reduced.note.startswith("reduced:")
+    skipped = planned(1000 * 3600)
+    assert skipped.steps == 0 and skipped.note.startswith("skipped: even 25 steps")
+    assert conversion.refinement_plan(plan, replace(options, refine_steps=7), streamer).steps == 7
+    assert conversion.refinement_plan(plan, replace(options, device="cuda:0"), streamer).steps == 200
+
+
 def test_calibration_tokens_from_text_and_bad_input(tiny_model, tmp_path):
     from mlaconv.errors import MlaconvError
 

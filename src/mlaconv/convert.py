@@ -67,6 +67,7 @@ class ConvertOptions:
     layer_search: bool = True  # calibrated: keep, per layer, the variant with the least measured error
     refine_steps: int | None = None  # calibrated: gradient steps per layer (None: 200 when it is affordable)
     refine_windows: int = 16  # calibration windows those steps train on (others are held out)
+    refine_batch: int = 4  # windows per step when refine_steps is given (the default plan chooses its own)
     absorbed: bool = False  # also write the absorbed inference weights into OUT/absorbed
     recipe: str | None = None
     eval_text: str | None = None
@@ -318,7 +319,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         plan, shape_search = search_shapes(plan, options, progress)
         shapes = plan.shapes
     streamer = calibration_streamer(plan, options)
-    refine_steps, refine_note = refinement_plan(plan, options, streamer)
+    refinement = refinement_plan(plan, options, streamer)
     plan = with_rope_stride(plan, progress)
     lopts, shape, alpha = plan.layer, plan.shape, plan.layer.residual_scale
     reports: list[LayerReport] = []
@@ -330,8 +331,8 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         for i in progress(range(spec.num_layers), "converting layers", spec.num_layers):
             src = read_attention(reader, spec, i)
             if streamer:
-                mla, report = best_calibrated_layer(i, src, plan, streamer, options.layer_search,
-                                                    refine_steps, options.refine_windows)
+                mla, report = best_calibrated_layer(i, src, plan, streamer, options.layer_search, refinement,
+                                                    options.refine_windows)
                 streamer.advance(i, src)
             else:
                 mla, report = convert_attention(src, shape, lopts)
@@ -357,7 +358,8 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             report["mode"] = "calibrated"
             report["calibration"] = {"windows": streamer.options.tokens.shape[0],
                                      "window": streamer.options.tokens.shape[1], "tokens": streamer.token_count,
-                                     "refine_steps": refine_steps, "refinement": refine_note}
+                                     "refine_steps": refinement.steps, "refine_batch": refinement.batch,
+                                     "refinement": refinement.note}
         if options.verify:
             from mlaconv.verify import verify
 
@@ -434,34 +436,60 @@ def calibrated_candidates(layer: LayerOptions, search: bool) -> list[tuple[str, 
 
 
 DEFAULT_REFINE_STEPS = 200
+DEFAULT_REFINE_BATCH = 4  # calibration windows per refinement step
+MIN_REDUCED_STEPS = 25  # below this a reduced refinement is not worth running (see bench/README.md)
 CPU_FLOPS = 5e10  # what refinement assumes a CPU sustains when it estimates its own cost
-AUTO_REFINE_SECONDS = 1800  # refinement runs by default only if it is estimated to take less than this
+AUTO_REFINE_SECONDS = 1800  # the default refinement on a CPU must be estimated to take less than this
 
 
-def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreamer | None) -> tuple[int, str]:
-    """How many refinement steps to run per layer, and why (the default skips it where it would take hours)."""
+@dataclass(frozen=True)
+class RefinementPlan:
+    steps: int  # gradient steps per layer (0: none)
+    batch: int  # calibration windows per step
+    note: str  # why, for the report
+
+
+def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreamer | None) -> RefinementPlan:
+    """How much refinement to run per layer, and why.
+
+    The default is 200 steps of 4 windows. On a CPU, where that is estimated above 30 minutes, it is reduced
+    to steps of one window, as many as fit in 30 minutes (at least 25: on the bench models 25 such steps
+    already removed 60–75% of the closed form's drift), else skipped; the note says which.
+    """
     if streamer is None:
-        return 0, "no calibration data"
+        return RefinementPlan(0, DEFAULT_REFINE_BATCH, "no calibration data")
     windows, window = streamer.options.tokens.shape
     if options.refine_steps == 0:
-        return 0, "off (--refine-steps 0)"
+        return RefinementPlan(0, DEFAULT_REFINE_BATCH, "off (--refine-steps 0)")
     if windows <= streamer.options.profile_windows:
-        return 0, (f"skipped: no calibration windows beyond the {streamer.options.profile_windows} held out "
-                   "to measure it (give more calibration tokens)")
+        return RefinementPlan(0, DEFAULT_REFINE_BATCH, (
+            f"skipped: no calibration windows beyond the {streamer.options.profile_windows} held out "
+            "to measure it (give more calibration tokens)"))
     if options.refine_steps is not None:
-        return options.refine_steps, "set by --refine-steps"
-    flops = refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, 4 * window, window)
-    seconds = DEFAULT_REFINE_STEPS * plan.spec.num_layers * flops / CPU_FLOPS
-    if options.device.startswith("cuda") or seconds <= AUTO_REFINE_SECONDS:
-        return DEFAULT_REFINE_STEPS, "default"
-    return 0, (f"skipped: about {seconds / 3600:.1f} h on this CPU by estimate; pass --refine-steps "
-               f"{DEFAULT_REFINE_STEPS} to run it anyway, or calibrate with --device cuda")
+        return RefinementPlan(options.refine_steps, options.refine_batch, "set by --refine-steps")
+    step_seconds = {batch: plan.spec.num_layers * refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank,
+                                                                   batch * window, window) / CPU_FLOPS
+                    for batch in (DEFAULT_REFINE_BATCH, 1)}
+    full = DEFAULT_REFINE_STEPS * step_seconds[DEFAULT_REFINE_BATCH]
+    if options.device.startswith("cuda") or full <= AUTO_REFINE_SECONDS:
+        return RefinementPlan(DEFAULT_REFINE_STEPS, DEFAULT_REFINE_BATCH, "default")
+    steps = min(DEFAULT_REFINE_STEPS, int(AUTO_REFINE_SECONDS / step_seconds[1]))
+    advice = (f"pass --refine-steps {DEFAULT_REFINE_STEPS} to run the full refinement anyway, or calibrate with "
+              "--device cuda")
+    if steps >= MIN_REDUCED_STEPS:
+        return RefinementPlan(steps, 1, (f"reduced: {steps} steps of one window, about 30 min on this CPU by estimate "
+                                         f"(the full {DEFAULT_REFINE_STEPS} steps of {DEFAULT_REFINE_BATCH} would take "
+                                         f"about {full / 3600:.1f} h); {advice}"))
+    return RefinementPlan(0, DEFAULT_REFINE_BATCH, (
+        f"skipped: even {MIN_REDUCED_STEPS} steps of one window would take about "
+        f"{MIN_REDUCED_STEPS * step_seconds[1] / 3600:.1f} h on this CPU by estimate (the full refinement "
+        f"{full / 3600:.1f} h); {advice}"))
 
 
 def best_calibrated_layer(i: int, src: SourceAttention, plan: Plan, streamer: SourceStreamer, search: bool = True,
-                          refine_steps: int = 0, refine_windows: int = 16):
+                          refinement: RefinementPlan | None = None, refine_windows: int = 16):
     """Convert layer i each way ``calibrated_candidates`` lists and keep the one with the least
-    attention-output error measured on the held-out calibration windows; then, with ``refine_steps``,
+    attention-output error measured on the held-out calibration windows; then, with ``refinement`` steps,
     refine it by gradient steps on other calibration windows and keep that only if it measures better."""
     stats = streamer.stats(i, src)
     spec, layer = plan.spec, plan.layer
@@ -480,9 +508,9 @@ def best_calibrated_layer(i: int, src: SourceAttention, plan: Plan, streamer: So
         if best is None or report.attention_error < best[2].attention_error:
             best = (latent, mla, report)
     latent, mla, report = best
-    data = streamer.refinement_data(i, src, refine_windows) if refine_steps else None
+    data = streamer.refinement_data(i, src, refine_windows) if refinement and refinement.steps else None
     if data is not None:
-        result = refine(latent, plan.shape, layer.rope_dim, slots, *data, steps=refine_steps)
+        result = refine(latent, plan.shape, layer.rope_dim, slots, *data, steps=refinement.steps, batch=refinement.batch)
         if result.after < result.before:
             refined_mla, bound, error = measured(result.latent)
             if error < report.attention_error:

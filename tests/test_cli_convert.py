@@ -114,3 +114,16 @@ def test_calibrated_summary_shows_variants_errors_and_refinement(stories, tmp_pa
     assert result.exit_code == 0, result.output
     assert "attention error" in result.output and "variant" in result.output
     assert "calibration: 4 windows of 64 tokens; refinement: skipped: no calibration windows beyond the 16" in result.output
+
+
+def test_calibration_uses_the_gpu_when_torch_sees_one(monkeypatch):
+    import torch
+
+    from mlaconv.convert import ConvertOptions
+    from mlaconv.spectra import SpectraOptions
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ConvertOptions().device == "cuda" and SpectraOptions().device == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ConvertOptions().device == "cpu" and SpectraOptions().device == "cpu"
+    assert ConvertOptions(device="cpu").device == "cpu"

@@ -27,7 +27,7 @@ from mlaconv.io import (CheckpointReader, ShardedWriter, atomic_output_dir, chec
                         read_config, resolve_source)
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
 from mlaconv.model_card import write_model_card
-from mlaconv.models import DTYPES, check_device
+from mlaconv.models import DTYPES, check_device, default_device
 from mlaconv.progress import Progress, no_progress
 from mlaconv.mla import rope
 from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, MLAAttention, SourceAttention,
@@ -63,7 +63,7 @@ class ConvertOptions:
     calib_tokens: int = 65536
     calib_window: int = 2048
     calib_batch_size: int = 4
-    device: str = "cpu"
+    device: str = field(default_factory=default_device)  # calibration and refinement: cuda when present
     layer_search: bool = True  # calibrated: keep, per layer, the variant with the least measured error
     refine_steps: int | None = None  # calibrated: gradient steps per layer (None: 200 when it is affordable)
     refine_windows: int = 16  # calibration windows those steps train on (others are held out)

@@ -89,6 +89,11 @@ def kv_cache_bytes_per_token(folder: str | Path, dtype: torch.dtype) -> int:
 
 
 
+def default_device() -> str:
+    """Where calibration runs unless told: the GPU when torch sees one, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def check_device(device: str | None, option: str = "--device") -> None:
     """Refuse, in one line, a device torch cannot use here (an unknown name, or CUDA without a GPU)."""
     if not device:

@@ -30,7 +30,7 @@ def spectra(
     calib_dataset: Optional[str] = typer.Option(None, "--calib-dataset", help="Calibration from a dataset NAME[:CONFIG[:SPLIT]], as in convert."),
     calib_tokens: int = typer.Option(65536, "--calib-tokens", help="Calibration tokens."),
     calib_window: int = typer.Option(2048, "--calib-window", help="Calibration window length (capped at the context)."),
-    device: str = typer.Option("cpu", "--device", help="Where calibration runs."),
+    device: Optional[str] = typer.Option(None, "--device", help="Where calibration runs (default: cuda when torch sees a GPU, else cpu)."),
     json_out: bool = JSON_OPTION,
     debug: bool = DEBUG_OPTION,
 ) -> None:
@@ -81,7 +81,7 @@ def spectra(
             energy_targets=tuple(_parse_list(energy, float, "--energy")), kv_keep=kv_keep, rope_dim=rope_dim,
             rope_stride=rope_stride, revision=revision, allow_sliding_window=allow_sliding_window,
             calib=calib or [], calib_dataset=calib_dataset, calib_tokens=calib_tokens, calib_window=calib_window,
-            device=device,
+            **({"device": device} if device else {}),
         )
         with rich_progress() as track:
             report = run_spectra(src, options, progress=track)

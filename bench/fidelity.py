@@ -39,7 +39,7 @@ METHODS = ("joint-svd", "transmla", "mlaconv-w", "mlaconv-c")
 
 
 def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_steps: int | None,
-               refine_batch: int = 4) -> dict:
+               refine_batch: int = 4, refine_check_every: int = 10) -> dict:
     """Convert ``source`` with one method at one budget; return what the conversion chose."""
     if method == "joint-svd":
         report = convert_joint_svd(source, out, kv_keep=kv_keep)
@@ -54,6 +54,7 @@ def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_step
         options.calib_window = WINDOW
         options.refine_steps = refine_steps
         options.refine_batch = refine_batch
+        options.refine_check_every = refine_check_every
     report = convert(str(source), out, options)
     return {"r": report["kv_lora_rank"], "R": report["qk_rope_head_dim"], "variants": report["layer_variant"],
             "refinement": (report.get("calibration") or {}).get("refinement")}
@@ -67,6 +68,8 @@ def main() -> None:
     parser.add_argument("--refine-steps", type=int, default=None,
                         help="mlaconv-c: layer-wise refinement steps (default: mlaconv's own default)")
     parser.add_argument("--refine-batch", type=int, default=4, help="mlaconv-c: windows per step with --refine-steps")
+    parser.add_argument("--refine-check-every", type=int, default=10,
+                        help="mlaconv-c: steps between held-out measurements with --refine-steps")
     parser.add_argument("--work", type=Path, default=HERE / "_work" / "fidelity", help="where checkpoints go")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args()
@@ -82,7 +85,8 @@ def main() -> None:
                 out = args.work / name / f"{method}-{int(round(cut * 1000))}"
                 shutil.rmtree(out, ignore_errors=True)
                 started = time.perf_counter()
-                chosen = run_method(method, source, out, 1 - cut, args.refine_steps, args.refine_batch)
+                chosen = run_method(method, source, out, 1 - cut, args.refine_steps, args.refine_batch,
+                                    args.refine_check_every)
                 seconds = time.perf_counter() - started
                 row = {"model": name, "method": method, "cut": cut, **chosen, "convert_s": round(seconds, 1),
                        **fidelity(source, out, eval_source(source))}

@@ -185,7 +185,8 @@ def test_same_inputs_give_byte_identical_output(tiny_model, tmp_path, monkeypatc
     monkeypatch.setattr(mlaconv.convert, "refine", lambda *a, **k: refined.append(1) or refine(*a, **k))
     src = tiny_model(kv_heads=2, head_dim=16)
     write_tokens(tmp_path / "calib.jsonl", random_tokens(20, 24, 96, seed=5))  # 16 held out, 4 to refine on
-    options = dict(rank=20, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=24, refine_steps=10)
+    options = dict(rank=20, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=24, refine_steps=10,
+                   device="cpu")  # CUDA kernels need not be deterministic
     report = convert(str(src), tmp_path / "out", ConvertOptions(**options))
     assert report["calibration"]["refine_steps"] == 10 and refined  # the stochastic step runs too
     first = {p.name: p.read_bytes() for p in sorted((tmp_path / "out").iterdir())}
@@ -229,7 +230,7 @@ def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_s
     import mlaconv.convert as conversion
 
     write_tokens(tmp_path / "calib.jsonl", stories_samples[:24])
-    options = ConvertOptions(rank=24, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=96)
+    options = ConvertOptions(rank=24, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=96, device="cpu")
     plan = conversion.plan_conversion(str(stories), options)
     streamer = conversion.calibration_streamer(plan, options)
     full_flops = conversion.DEFAULT_REFINE_STEPS * plan.spec.num_layers * conversion.refinement_flops(

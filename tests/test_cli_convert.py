@@ -123,7 +123,9 @@ def test_calibration_uses_the_gpu_when_torch_sees_one(monkeypatch):
     from mlaconv.spectra import SpectraOptions
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert ConvertOptions().device == "cuda" and SpectraOptions().device == "cuda"
+    assert ConvertOptions().calibration_device == "cuda"
+    assert SpectraOptions().convert_options().calibration_device == "cuda"
+    assert ConvertOptions().device is None  # so the evaluation stays where the user did not move it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert ConvertOptions().device == "cpu" and SpectraOptions().device == "cpu"
-    assert ConvertOptions(device="cpu").device == "cpu"
+    assert ConvertOptions().calibration_device == "cpu" and SpectraOptions().convert_options().calibration_device == "cpu"
+    assert ConvertOptions(device="cpu").calibration_device == "cpu"

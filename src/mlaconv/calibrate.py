@@ -89,7 +89,7 @@ class SourceStreamer:
         self.freqs = scaled_frequencies(spec.rope_theta, spec.head_dim, spec.rope_scaling)
         self.angles = rope_angles(self.freqs, options.tokens.shape[1]).to(self.device)
         self.next_layer = 0
-        self._held_out: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._held_out: tuple[int, torch.Tensor, torch.Tensor] | None = None  # layer, inputs, source outputs
 
     @property
     def token_count(self) -> int:
@@ -132,28 +132,32 @@ class SourceStreamer:
                               for name, t in vars(converted).items()})
         angles = rope_angles(slot_frequencies, self.options.tokens.shape[1]).to(self.device)
         error = total = 0.0
+        inputs, outputs = self._held_out_pairs(i, attention)
         with torch.no_grad():
-            for x, reference in self._held_out_pairs(i, attention):
+            for start in range(0, inputs.shape[0], self.options.batch_size):
+                x, reference = inputs[start : start + self.options.batch_size], outputs[start : start + self.options.batch_size]
                 approx = mla_attention(x, mla, self.heads, rank, rope_dim, angles) / residual_scale
                 error += (approx - reference).double().pow(2).sum().item()
                 total += reference.double().pow(2).sum().item()
         return error / total if total > 0 else 0.0
 
-    def _held_out_pairs(self, i: int, attention: SourceAttention) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per batch of held-out windows, (normalised input, source attention output) of layer i, computed
-        once per layer: every variant of the layer is measured against the same outputs."""
+    def _held_out_pairs(self, i: int, attention: SourceAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held-out windows' normalised inputs and layer i's source attention outputs, [P, S, H] each,
+        computed once per layer (for the layer the streamer is at, whose weights ``attention`` must be):
+        every variant of the layer, and its refinement, are measured against the same outputs."""
         if self._held_out is None or self._held_out[0] != i:
             self._held_out = None  # drop the previous layer's pairs before computing these
             weights = self._on_device(attention)
             held = self.hidden[: self.options.profile_windows]
-            pairs = []
+            inputs = torch.empty(held.shape, dtype=torch.float32, device=self.device)
+            outputs = torch.empty(held.shape, dtype=torch.float32, device=self.device)
             with torch.no_grad():
                 for start in range(0, held.shape[0], self.options.batch_size):
-                    x = rms_norm(held[start : start + self.options.batch_size].to(self.device), weights.input_norm,
-                                 self.spec.rms_norm_eps)
-                    pairs.append((x, source_attention(x, weights, self.heads, self.angles)))
-            self._held_out = (i, pairs)
-        return self._held_out[1]
+                    batch = slice(start, start + self.options.batch_size)
+                    inputs[batch] = rms_norm(held[batch].to(self.device), weights.input_norm, self.spec.rms_norm_eps)
+                    outputs[batch] = source_attention(inputs[batch], weights, self.heads, self.angles)
+            self._held_out = (i, inputs, outputs)
+        return self._held_out[1], self._held_out[2]
 
     def refinement_data(self, i: int, attention: SourceAttention, windows: int):
         """(x, source attention output) pairs [B, S, H] for refining layer i: up to ``windows`` training
@@ -169,8 +173,7 @@ class SourceStreamer:
             x = rms_norm(self.hidden[held : held + windows].to(self.device), weights.input_norm,
                          self.spec.rms_norm_eps).float()
             train = (x, source_attention(x, weights, self.heads, self.angles))
-        held_out = self._held_out_pairs(i, attention)
-        return train, (torch.cat([x for x, _ in held_out]), torch.cat([y for _, y in held_out]))
+        return train, self._held_out_pairs(i, attention)
 
     def _on_device(self, attention: SourceAttention) -> SourceAttention:
         return SourceAttention(**{name: t.to(self.device, torch.float32) if t is not None else None

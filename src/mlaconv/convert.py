@@ -33,7 +33,7 @@ from mlaconv.mla import rope
 from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, MLAAttention, SourceAttention,
                                    assemble, convert_attention, factor_attention, full_rank, key_energies)
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, LATENT_NORM_EPS
-from mlaconv.mla.refine import refine, refinement_flops
+from mlaconv.mla.refine import CHECK_EVERY, refine, refinement_flops
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
@@ -63,11 +63,12 @@ class ConvertOptions:
     calib_tokens: int = 65536
     calib_window: int = 2048
     calib_batch_size: int = 4
-    device: str = field(default_factory=default_device)  # calibration and refinement: cuda when present
+    device: str | None = None  # calibration, refinement (None: cuda when torch sees one) and the evaluation
     layer_search: bool = True  # calibrated: keep, per layer, the variant with the least measured error
     refine_steps: int | None = None  # calibrated: gradient steps per layer (None: 200 when it is affordable)
     refine_windows: int = 16  # calibration windows those steps train on (others are held out)
     refine_batch: int = 4  # windows per step when refine_steps is given (the default plan chooses its own)
+    refine_check_every: int = CHECK_EVERY  # steps between held-out measurements when refine_steps is given
     absorbed: bool = False  # also write the absorbed inference weights into OUT/absorbed
     recipe: str | None = None
     eval_text: str | None = None
@@ -81,6 +82,11 @@ class ConvertOptions:
     @property
     def evaluated(self) -> bool:
         return any((self.eval_text, self.eval_dataset, self.eval_tokens))
+
+    @property
+    def calibration_device(self) -> str:
+        """Where calibration and refinement run: the given device, else the GPU when torch sees one."""
+        return self.device or default_device()
 
     @property
     def calibrated(self) -> bool:
@@ -242,6 +248,10 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
     check_device(options.device)
     if options.calib_tokens < 1:
         raise MlaconvError(f"--calib-tokens must be positive, got {options.calib_tokens}")
+    if options.refine_steps is not None and options.refine_steps < 0:
+        raise MlaconvError(f"--refine-steps must be ≥ 0, got {options.refine_steps}")
+    if options.refine_batch < 1 or options.refine_check_every < 1:
+        raise MlaconvError("the refinement batch and check interval must be ≥ 1")
     if options.evaluated:
         _eval_source(options)  # a missing eval file or a malformed dataset name fails now, not after hours
     return Plan(folder, spec, reader, shapes, layer_options(spec, shapes, options))
@@ -263,7 +273,8 @@ def calibration_streamer(plan: Plan, options: ConvertOptions, windows: int | Non
         return None
     tokens = load_calibration_tokens(plan.folder, plan.spec, options.calib, options.calib_dataset,
                                      options.calib_tokens, options.calib_window)[:windows]
-    return SourceStreamer(plan.reader, plan.spec, CalibrationOptions(tokens, options.device, options.calib_batch_size))
+    return SourceStreamer(plan.reader, plan.spec,
+                          CalibrationOptions(tokens, options.calibration_device, options.calib_batch_size))
 
 
 def search_shapes(plan: Plan, options: ConvertOptions, progress: Progress = no_progress) -> tuple[Plan, dict]:
@@ -449,14 +460,16 @@ class RefinementPlan:
     steps: int  # gradient steps per layer (0: none)
     batch: int  # calibration windows per step
     note: str  # why, for the report
+    check_every: int = CHECK_EVERY  # steps between two measurements on the held-out windows
 
 
 def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreamer | None) -> RefinementPlan:
     """How much refinement to run per layer, and why.
 
-    The default is 200 steps of 4 windows. On a CPU, where that is estimated above 30 minutes, it is reduced
-    to steps of one window, as many as fit in 30 minutes (at least 25: on the bench models 25 such steps
-    removed 58–74% of the closed form's PPL drift at 50% and 75% KV cuts), else skipped; the note says which.
+    The default is 200 steps of 4 windows, measured on the held-out windows every 10 steps. On a CPU, where
+    that is estimated above 30 minutes, it is reduced to steps of one window, measured once at the end, as
+    many as fit in 30 minutes (at least 25: on the bench models 25 such steps removed 58–74% of the closed
+    form's PPL drift at 50% and 75% KV cuts), else skipped; the note says which.
     """
     if streamer is None:
         return RefinementPlan(0, DEFAULT_REFINE_BATCH, "no calibration data")
@@ -468,24 +481,34 @@ def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreame
             f"skipped: no calibration windows beyond the {streamer.options.profile_windows} held out "
             "to measure it (give more calibration tokens)"))
     if options.refine_steps is not None:
-        return RefinementPlan(options.refine_steps, options.refine_batch, "set by --refine-steps")
-    step_seconds = {batch: plan.spec.num_layers * refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank,
-                                                                   batch * window, window) / CPU_FLOPS
-                    for batch in (DEFAULT_REFINE_BATCH, 1)}
-    full = DEFAULT_REFINE_STEPS * step_seconds[DEFAULT_REFINE_BATCH]
-    if options.device.startswith("cuda") or full <= AUTO_REFINE_SECONDS:
+        return RefinementPlan(options.refine_steps, options.refine_batch, "set by --refine-steps",
+                              check_every=options.refine_check_every)
+
+    def seconds(steps: int, batch: int, check_every: int) -> float:
+        """Estimated CPU time of the whole refinement: the steps, and the held-out measurements (forward only,
+        ⅓ of a step's work) before the first step and every ``check_every`` steps."""
+        def flops(count: int) -> float:
+            return refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, count * window, window)
+
+        checks = 1 + -(-steps // check_every)
+        work = steps * flops(batch) + checks * flops(min(windows, streamer.options.profile_windows)) / 3
+        return plan.spec.num_layers * work / CPU_FLOPS
+
+    full = seconds(DEFAULT_REFINE_STEPS, DEFAULT_REFINE_BATCH, CHECK_EVERY)
+    if options.calibration_device.startswith("cuda") or full <= AUTO_REFINE_SECONDS:
         return RefinementPlan(DEFAULT_REFINE_STEPS, DEFAULT_REFINE_BATCH, "default")
-    steps = min(DEFAULT_REFINE_STEPS, int(AUTO_REFINE_SECONDS / step_seconds[1]))
+    fits = [n for n in range(MIN_REDUCED_STEPS, DEFAULT_REFINE_STEPS + 1) if seconds(n, 1, n) <= AUTO_REFINE_SECONDS]
     advice = (f"pass --refine-steps {DEFAULT_REFINE_STEPS} to run the full refinement anyway, or calibrate with "
               "--device cuda")
-    if steps >= MIN_REDUCED_STEPS:
+    if fits:
+        steps = fits[-1]
         return RefinementPlan(steps, 1, (f"reduced: {steps} steps of one window, about 30 min on this CPU by estimate "
                                          f"(the full {DEFAULT_REFINE_STEPS} steps of {DEFAULT_REFINE_BATCH} would take "
-                                         f"about {full / 3600:.1f} h); {advice}"))
+                                         f"about {full / 3600:.1f} h); {advice}"), check_every=steps)
+    least = seconds(MIN_REDUCED_STEPS, 1, MIN_REDUCED_STEPS)
     return RefinementPlan(0, DEFAULT_REFINE_BATCH, (
-        f"skipped: even {MIN_REDUCED_STEPS} steps of one window would take about "
-        f"{MIN_REDUCED_STEPS * step_seconds[1] / 3600:.1f} h on this CPU by estimate (the full refinement "
-        f"{full / 3600:.1f} h); {advice}"))
+        f"skipped: even {MIN_REDUCED_STEPS} steps of one window would take about {least / 3600:.1f} h on this CPU "
+        f"by estimate (the full refinement {full / 3600:.1f} h); {advice}"))
 
 
 def best_calibrated_layer(i: int, src: SourceAttention, plan: Plan, streamer: SourceStreamer, search: bool = True,
@@ -512,7 +535,8 @@ def best_calibrated_layer(i: int, src: SourceAttention, plan: Plan, streamer: So
     latent, mla, report = best
     data = streamer.refinement_data(i, src, refine_windows) if refinement and refinement.steps else None
     if data is not None:
-        result = refine(latent, plan.shape, layer.rope_dim, slots, *data, steps=refinement.steps, batch=refinement.batch)
+        result = refine(latent, plan.shape, layer.rope_dim, slots, *data, steps=refinement.steps, batch=refinement.batch,
+                        check_every=refinement.check_every)
         if result.after < result.before:
             refined_mla, bound, error = measured(result.latent)
             if error < report.attention_error:

@@ -25,7 +25,6 @@ from mlaconv import __version__
 from mlaconv.convert import (ConvertOptions, Shapes, calibrated_layer_options, calibration_streamer,
                              plan_conversion, read_attention, with_rope_stride)
 from mlaconv.errors import MlaconvError
-from mlaconv.models import default_device
 from mlaconv.mla.attention import LayerAnalysis, LayerStats, SourceAttention, analyse_layer, full_rank
 from mlaconv.progress import Progress, no_progress
 
@@ -49,7 +48,7 @@ class SpectraOptions:
     calib_dataset: str | None = None
     calib_tokens: int = 65536
     calib_window: int = 2048
-    device: str = field(default_factory=default_device)
+    device: str | None = None  # None: cuda when torch sees one
 
     def convert_options(self) -> ConvertOptions:
         """The ``convert`` settings these spectra preview (any rank: it does not enter the analysis)."""

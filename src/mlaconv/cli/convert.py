@@ -26,7 +26,7 @@ def convert(
     calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="Calibration tokens (default 65536)."),
     calib_window: Optional[int] = typer.Option(None, "--calib-window", help="Calibration window length (default 2048, capped at the context)."),
     weights_only: bool = typer.Option(False, "--weights-only", help="Ignore a recipe's calibration settings."),
-    device: Optional[str] = typer.Option(None, "--device", help="Where calibration and refinement run: cpu, cuda, cuda:1 … (default: cuda when torch sees a GPU, else cpu)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Where calibration and refinement run (default: cuda when torch sees a GPU, else cpu), and, when given, the --eval-* evaluation too: cpu, cuda, cuda:1 …"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Output dtype: float32 or bfloat16 (default: the source's)."),
     shard_size: Optional[str] = typer.Option(None, "--shard-size", help="Largest output shard, e.g. 5GB (default) or 500MB."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),

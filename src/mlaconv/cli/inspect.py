@@ -81,7 +81,7 @@ def spectra(
             energy_targets=tuple(_parse_list(energy, float, "--energy")), kv_keep=kv_keep, rope_dim=rope_dim,
             rope_stride=rope_stride, revision=revision, allow_sliding_window=allow_sliding_window,
             calib=calib or [], calib_dataset=calib_dataset, calib_tokens=calib_tokens, calib_window=calib_window,
-            **({"device": device} if device else {}),
+            device=device,
         )
         with rich_progress() as track:
             report = run_spectra(src, options, progress=track)

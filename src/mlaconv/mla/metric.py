@@ -14,6 +14,7 @@ def times(a: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
     """a·Σ for rows a [..., H] (real or complex; Σ is real, so a complex a takes two real products)."""
     if metric.dim() == 1:
         return a * metric
+    metric = metric.to(a.real.dtype)
     if a.is_complex():
         return torch.complex(a.real @ metric, a.imag @ metric)
     return a @ metric

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from mlaconv.mla.attention import AttentionShape, LatentAttention
 from mlaconv.mla.rope import rotate_interleaved
 
+CHECK_EVERY = 10  # steps between two measurements on the held-out windows
+
 
 def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentAttention, shape: AttentionShape,
                      rope_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -48,7 +50,7 @@ class Refinement:
 
 def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_frequencies: torch.Tensor,
            train: tuple[torch.Tensor, torch.Tensor], held_out: tuple[torch.Tensor, torch.Tensor],
-           steps: int, lr: float = 3e-3, check_every: int = 10, batch: int = 4, seed: int = 0) -> Refinement:
+           steps: int, lr: float = 3e-3, check_every: int = CHECK_EVERY, batch: int = 4, seed: int = 0) -> Refinement:
     """Adam on the trainable factors of ``latent``; (x, source output) pairs as [B, S, H] float32 tensors.
 
     Each step uses ``batch`` training windows drawn with a fixed seed; each factor's learning rate is

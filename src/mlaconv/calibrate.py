@@ -135,7 +135,8 @@ class SourceStreamer:
         inputs, outputs = self._held_out_pairs(i, attention)
         with torch.no_grad():
             for start in range(0, inputs.shape[0], self.options.batch_size):
-                x, reference = inputs[start : start + self.options.batch_size], outputs[start : start + self.options.batch_size]
+                batch = slice(start, start + self.options.batch_size)
+                x, reference = inputs[batch], outputs[batch]
                 approx = mla_attention(x, mla, self.heads, rank, rope_dim, angles) / residual_scale
                 error += (approx - reference).double().pow(2).sum().item()
                 total += reference.double().pow(2).sum().item()

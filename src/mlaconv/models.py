@@ -88,7 +88,6 @@ def kv_cache_bytes_per_token(folder: str | Path, dtype: torch.dtype) -> int:
     return kv_cache_elements(config) * int(config["num_hidden_layers"]) * element
 
 
-
 def default_device() -> str:
     """Where calibration runs unless told: the GPU when torch sees one, else the CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -174,22 +174,13 @@ def decompose_keys(k: torch.Tensor, q: torch.Tensor, shape: AttentionShape, stat
     shared = torch.einsum("sg,sgh->sh", mix.b[kept], zk[kept])  # κ per slot [R/2, H]
     remainder = zk.clone()
     remainder[kept] -= mix.a[kept][:, :, None] * shared[:, None, :]
-    plain_kept = 1 - _complex_energy(remainder, stats.metric) / max(_complex_energy(zk, stats.metric), 1e-300)
+    total = metric_math.total_energy(zk, stats.metric)
+    plain_kept = 1 - metric_math.total_energy(remainder, stats.metric) / max(total, 1e-300)
     return mix, choice, plain_kept, shared, rope.real_rows(remainder)
-
-
-def _complex_energy(z: torch.Tensor, metric: torch.Tensor) -> float:
-    """Σ E|z·x|² over complex rows z [..., H]."""
-    return metric_math.total_energy(z, metric)
 
 
 def block_norm(w: torch.Tensor, metric: torch.Tensor) -> float:
     return math.sqrt(max(metric_math.total_energy(w, metric), 0.0))
-
-
-def _psd_root(m: torch.Tensor) -> torch.Tensor:
-    values, vectors = torch.linalg.eigh(0.5 * (m + m.transpose(-1, -2)))
-    return (vectors * values.clamp_min(0).sqrt()[..., None, :]) @ vectors.transpose(-1, -2)
 
 
 def attention_row_weights(q_nope: torch.Tensor, o: torch.Tensor, shape: AttentionShape,
@@ -204,7 +195,7 @@ def attention_row_weights(q_nope: torch.Tensor, o: torch.Tensor, shape: Attentio
     query_moment = (metric_math.times(q, metric) @ q.transpose(1, 2)).reshape(G, shape.group, d, d).sum(1)
     o_heads = o.reshape(o.shape[0], N, d).transpose(0, 1)  # [N, H, d]
     output_moment = (o_heads.transpose(1, 2) @ o_heads).reshape(G, shape.group, d, d).sum(1)
-    return _psd_root(query_moment), _psd_root(output_moment)
+    return metric_math.symmetric_root(query_moment), metric_math.symmetric_root(output_moment)
 
 
 def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, options: LayerOptions,

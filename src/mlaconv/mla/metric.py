@@ -38,7 +38,10 @@ def root(metric: torch.Tensor) -> torch.Tensor:
     if metric.dim() == 1:
         return metric.clamp_min(0).sqrt()
     factor, info = torch.linalg.cholesky_ex(metric)
-    if info.item() == 0:
-        return factor
-    values, vectors = torch.linalg.eigh(0.5 * (metric + metric.T))
-    return (vectors * values.clamp_min(0).sqrt()) @ vectors.T
+    return factor if info.item() == 0 else symmetric_root(metric)
+
+
+def symmetric_root(m: torch.Tensor) -> torch.Tensor:
+    """The symmetric PSD square root of (batches of) symmetric matrices m [..., n, n]; negative eigenvalues → 0."""
+    values, vectors = torch.linalg.eigh(0.5 * (m + m.transpose(-1, -2)))
+    return (vectors * values.clamp_min(0).sqrt()[..., None, :]) @ vectors.transpose(-1, -2)

@@ -8,8 +8,11 @@ import warnings
 
 import typer
 
+from mlaconv.cli._common import JsonErrorGroup
+
 app = typer.Typer(
     name="mlaconv",
+    cls=JsonErrorGroup,
     help="Convert MHA/GQA checkpoints (Llama, Mistral, Qwen2) into native DeepSeek-V3 MLA checkpoints.",
     no_args_is_help=True,
     add_completion=False,

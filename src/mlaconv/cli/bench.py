@@ -6,10 +6,12 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from mlaconv.cli import app
-from mlaconv.cli._common import DEBUG_OPTION, JSON_OPTION, emit_json, handle_errors, report_console, stderr
+from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line,
+                                 progress, report_console)
 from mlaconv.errors import MlaconvError
 
 COLUMNS = ["source", "dtype", "ctx", "cache MB a→c", "(a) ms", "(b) ms", "(c) ms", "(c′) ms", "c/a", "ideal",
@@ -62,11 +64,12 @@ def decode(
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights and caches."),
     markdown: bool = typer.Option(False, "--markdown", help="Print the table as Markdown (for bench/README.md)."),
     json_out: bool = JSON_OPTION,
+    quiet: bool = QUIET_OPTION,
     debug: bool = DEBUG_OPTION,
 ) -> None:
     """Per-token decode latency of one 7B-shaped attention layer: (a) source K/V cache, (b) MLA expanded,
     (c) MLA absorbed on the latent cache, (c′) the same with W^UK/W^UV applied per head at run time."""
-    with handle_errors(debug):
+    with handle_errors(debug, json_out):
         import torch
 
         from mlaconv.runtime.bench import DTYPES, SHAPES, BenchOptions, run_decode_bench
@@ -84,8 +87,8 @@ def decode(
                                dtypes=_names(dtypes, tuple(DTYPES), "dtype"), devices=device_names, repeats=repeats,
                                warmup=warmup, cold=cold, clock=clock, threads=threads, expanded=expanded,
                                seed=seed)
-        with stderr.status("timing") as status:
-            result = run_decode_bench(options, progress=lambda message: status.update(f"timing {message}"))
+        with progress(quiet) as track:
+            result = run_decode_bench(options, progress=track)
         console = report_console(json_out)
         if markdown:
             console.print(render_markdown(result), highlight=False, markup=False, soft_wrap=True)
@@ -96,20 +99,18 @@ def decode(
 
 
 def render(result: dict, console: Console) -> None:
-    """The table; when the output is not a terminal (a file, a pipe) it is laid out 160 columns wide."""
-    if not console.is_terminal:
-        console = Console(file=console.file, width=160)
+    """The environment line, the table and its legend."""
     env = result["environment"]
-    console.print(_environment_line(env), highlight=False)
+    line(console, escape(_environment_line(env)))
     devices = env["devices"]
     table = Table(title=f"decode step of one attention layer, batch 1, {'/'.join(devices)} (ms)")
     columns = COLUMNS[:2] + ["dev"] + COLUMNS[2:] if len(devices) > 1 else COLUMNS
     for column in columns:
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", overflow="fold")
     for row in result["rows"]:
         table.add_row(*_cells(row, with_device=len(devices) > 1))
     console.print(table)
-    console.print(LEGEND, highlight=False)
+    line(console, escape(LEGEND))
 
 
 def render_markdown(result: dict) -> str:

@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from mlaconv.cli import app
-from mlaconv.cli._common import DEBUG_OPTION, JSON_OPTION, emit_json, handle_errors, report_console, rich_progress
+from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
+                                 report_console)
 
 
 @app.command()
@@ -43,10 +45,11 @@ def convert(
     eval_window: Optional[int] = typer.Option(None, "--eval-window", help="Evaluation window (default 2048 or the context)."),
     eval_max_windows: Optional[int] = typer.Option(None, "--eval-max-windows", help="Evaluate at most this many windows."),
     json_out: bool = JSON_OPTION,
+    quiet: bool = QUIET_OPTION,
     debug: bool = DEBUG_OPTION,
 ) -> None:
     """Convert an MHA/GQA checkpoint into a native DeepSeek-V3 MLA checkpoint."""
-    with handle_errors(debug):
+    with handle_errors(debug, json_out):
         from mlaconv.convert import ConvertOptions, convert as run_convert
         from mlaconv.errors import MlaconvError
         from mlaconv.io import parse_size
@@ -76,7 +79,7 @@ def convert(
             settings.pop("calib_dataset", None)
         if src is None or out is None:
             raise MlaconvError("give SRC and OUT (SRC may come from --recipe)")
-        with rich_progress() as track:
+        with progress(quiet) as track:
             report = run_convert(src, out, ConvertOptions(force=force, **settings), progress=track)
         render_report(report, report_console(json_out))
         if json_out:
@@ -85,25 +88,21 @@ def convert(
 
 def render_report(report: dict, console) -> None:
     kv = report["kv_elements_per_token_per_layer"]
-    console.print(
-        f"[bold green]converted[/] {report['source']} → {report['output']}  "
-        f"({report['architecture']} → DeepseekV3ForCausalLM, {report['dtype']})", highlight=False
-    )
-    console.print(
-        f"KV cache per token and layer: {kv['source']} → {kv['converted']} elements "
-        f"({report['kv_keep']:.1%} kept; r = {report['kv_lora_rank']}, R = {report['qk_rope_head_dim']}, "
-        f"rope stride {report['rope_stride']}); {report['shape_choice']}", highlight=False
-    )
+    line(console, f"[bold green]converted[/] {escape(str(report['source']))} → {escape(str(report['output']))}  "
+                  f"({report['architecture']} → DeepseekV3ForCausalLM, {report['dtype']})")
+    line(console, f"KV cache per token and layer: {kv['source']} → {kv['converted']} elements "
+                  f"({report['kv_keep']:.1%} kept; r = {report['kv_lora_rank']}, R = {report['qk_rope_head_dim']}, "
+                  f"rope stride {report['rope_stride']}); {escape(report['shape_choice'])}")
     search = report.get("shape_search") or {}
     if search.get("candidates"):
-        console.print("splits measured: " + ", ".join(
+        line(console, "splits measured: " + ", ".join(
             f"{c['kv_lora_rank']} + {c['qk_rope_head_dim']}: {c['mean_attention_error']:.4f}" for c in search["candidates"]
-        ) + " (mean attention error)", highlight=False)
+        ) + " (mean attention error)")
     calibrated = report.get("calibration") is not None
     table = Table(title="per layer", show_lines=False)
     columns = ["layer", "latent energy", "RoPE energy kept", "key error", "value error"]
     for column in columns + (["attention error", "variant"] if calibrated else []):
-        table.add_column(column, justify="left" if column == "variant" else "right")
+        table.add_column(column, justify="left" if column == "variant" else "right", overflow="fold")
     energy = report["energy_retained"]["per_layer"]
     for i, values in enumerate(zip(energy, report["rope_energy_kept"], report["key_error"], report["value_error"])):
         cells = [f"{v:.4f}" for v in values]
@@ -116,32 +115,29 @@ def render_report(report: dict, console) -> None:
     if calibrated:
         calibration = report["calibration"]
         steps = f" ({calibration['refine_steps']} steps a layer)" if calibration["refine_steps"] else ""
-        console.print(f"calibration: {calibration['windows']} windows of {calibration['window']} tokens; refinement: "
-                      f"{calibration['refinement']}{steps}", highlight=False)
+        line(console, f"calibration: {calibration['windows']} windows of {calibration['window']} tokens; refinement: "
+                      f"{escape(calibration['refinement'])}{steps}")
     check = report.get("verify")
     if check and "error" in check:
-        console.print(f"[yellow]check:[/] {check['error']} (the checkpoint was kept)", highlight=False)
+        line(console, f"[yellow]check:[/] {escape(check['error'])} (the checkpoint was kept)")
     elif check and "skipped" not in check:
-        console.print(
-            f"check ({check['loader']}, {check['windows']}×{check['tokens'] // check['windows']} tokens, {check['dtype']}): "
-            f"max |Δlogit| {check['max_abs_logit_diff']:.3g}, KL {check['kl']:.3g}, top-1 {check['top1']:.2%}",
-            highlight=False,
-        )
+        line(console, f"check ({check['loader']}, {check['windows']}×{check['tokens'] // check['windows']} tokens, "
+                      f"{check['dtype']}): max |Δlogit| {check['max_abs_logit_diff']:.3g}, KL {check['kl']:.3g}, "
+                      f"top-1 {check['top1']:.2%}")
         if "biases_dropped" in check:
             dropped = check["biases_dropped"]
-            console.print(f"  without attention biases (vLLM/SGLang): KL {dropped['kl']:.3g}, top-1 {dropped['top1']:.2%}",
-                          highlight=False)
+            line(console, f"  without attention biases (vLLM/SGLang): KL {dropped['kl']:.3g}, top-1 {dropped['top1']:.2%}")
     elif check:
-        console.print(f"check skipped: {check['skipped']}", highlight=False)
+        line(console, f"check skipped: {escape(check['skipped'])}")
     result = report.get("eval")
     if result and "error" in result:
-        console.print(f"[yellow]eval:[/] {result['error']} (the checkpoint was kept)", highlight=False)
+        line(console, f"[yellow]eval:[/] {escape(result['error'])} (the checkpoint was kept)")
     elif result:
         agreement = (f", KL {result['kl_per_token']:.3g}, top-1 {result['top1_agreement']:.2%}"
                      if result.get("kl_per_token") is not None else " (KL and top-1 not measured: the two models "
                      "did not fit in memory together)")
-        console.print(
-            f"eval ({result['data']}, {result['windows']} windows of {result['window']}): PPL {result['ppl']:.4g} vs "
-            f"source {result['baseline_ppl']:.4g} (drift {result['drift']:+.2%}){agreement}", highlight=False)
+        line(console, f"eval ({escape(result['data'])}, {result['windows']} windows of {result['window']}): PPL "
+                      f"{result['ppl']:.4g} vs source {result['baseline_ppl']:.4g} (drift {result['drift']:+.2%})"
+                      f"{agreement}")
     for warning in report["serving"]["warnings"]:
-        console.print(f"[yellow]note:[/] {warning}", highlight=False)
+        line(console, f"[yellow]note:[/] {escape(warning)}")

@@ -6,11 +6,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from mlaconv.cli import eval_app
-from mlaconv.cli._common import DEBUG_OPTION, JSON_OPTION, emit_json, handle_errors, report_console
-from mlaconv.cli._common import rich_progress
+from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
+                                 report_console)
 
 
 @eval_app.command("perplexity")
@@ -29,14 +30,15 @@ def perplexity(
     device: Optional[str] = typer.Option(None, "--device", help="cpu (default), cuda, cuda:1, mps …"),
     device_map: Optional[str] = typer.Option(None, "--device-map", help="`auto` spreads each model over this machine's GPUs (accelerate)."),
     json_out: bool = JSON_OPTION,
+    quiet: bool = QUIET_OPTION,
     debug: bool = DEBUG_OPTION,
 ) -> None:
     """Perplexity as the papers measure it, side by side with the source: drift, KL, top-1 agreement, KV cache."""
-    with handle_errors(debug):
+    with handle_errors(debug, json_out):
         from mlaconv.evaluate import TokenSource, evaluate_perplexity
 
         source = TokenSource(text=text, dataset=dataset, tokens=tokens)
-        with rich_progress() as track:
+        with progress(quiet) as track:
             report = evaluate_perplexity(model, baseline, source=source, window=window, max_windows=max_windows,
                                          batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
                                          progress=track)
@@ -50,17 +52,15 @@ def render_report(report: dict, console) -> None:
     windows, predictions = report["windows"], report["tokens"]
     lengths = (f"× {predictions // windows + 1} tokens" if predictions % windows == 0
                else f"of at most {report['window']} tokens")
-    console.print(
-        f"{report['data']}: {windows} windows {lengths}, {predictions} predictions scored "
-        f"({report['dropped_tokens']} tokens dropped), {report['dtype']} on {report['device']}", highlight=False
-    )
-    console.print(f"tokenizer: {report['tokenizer'] or 'none (pre-tokenized ids)'}", highlight=False)
+    line(console, f"{escape(report['data'])}: {windows} windows {lengths}, {predictions} predictions scored "
+                  f"({report['dropped_tokens']} tokens dropped), {report['dtype']} on {report['device']}")
+    line(console, f"tokenizer: {escape(report['tokenizer'] or 'none (pre-tokenized ids)')}")
     roles = ["baseline", "model"] if report["baseline"] else ["model"]
     prefixes = {"baseline": "baseline_", "model": ""}
     table = Table(title="perplexity")
-    table.add_column("")
+    table.add_column("", overflow="fold")
     for role in roles:
-        table.add_column(f"{role}\n{report[role]}", justify="right")
+        table.add_column(f"{role}\n{escape(str(report[role]))}", justify="right", overflow="fold")
     table.add_row("perplexity", *(_with_error(report[f"{prefixes[r]}ppl"], report[f"{prefixes[r]}ppl_stderr"], "{:.4f}")
                                   for r in roles))
     table.add_row("mean NLL", *(f"{report[f'{prefixes[r]}nll']:.5f}" for r in roles))
@@ -68,13 +68,13 @@ def render_report(report: dict, console) -> None:
     table.add_row("KV cache bytes / token", *(f"{report['kv_bytes_per_token'][r]:,}" for r in roles))
     console.print(table)
     if report["baseline"]:
-        console.print(f"drift {_with_error(report['drift'], report['drift_stderr'], '{:+.2%}')} in perplexity "
-                      f"with {report['kv_kept']:.1%} of the KV cache", highlight=False)
+        line(console, f"drift {_with_error(report['drift'], report['drift_stderr'], '{:+.2%}')} in perplexity "
+                      f"with {report['kv_kept']:.1%} of the KV cache")
         if report["kl_per_token"] is not None:
-            console.print(f"KL(baseline ‖ model) {report['kl_per_token']:.4g} per token, "
-                          f"top-1 agreement {report['top1_agreement']:.2%}", highlight=False)
+            line(console, f"KL(baseline ‖ model) {report['kl_per_token']:.4g} per token, "
+                          f"top-1 agreement {report['top1_agreement']:.2%}")
     for note in report["notes"]:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
+        line(console, f"[yellow]note:[/] {escape(note)}")
 
 
 def _with_error(value: float, stderr: float | None, fmt: str) -> str:

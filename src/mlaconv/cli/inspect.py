@@ -7,10 +7,12 @@ from typing import Optional
 
 import typer
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from mlaconv.cli import inspect_app
-from mlaconv.cli._common import DEBUG_OPTION, JSON_OPTION, emit_json, handle_errors, report_console, rich_progress
+from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
+                                 report_console)
 from mlaconv.errors import MlaconvError
 
 
@@ -32,6 +34,7 @@ def spectra(
     calib_window: int = typer.Option(2048, "--calib-window", help="Calibration window length (capped at the context)."),
     device: Optional[str] = typer.Option(None, "--device", help="Where calibration runs (default: cuda when torch sees a GPU, else cpu)."),
     json_out: bool = JSON_OPTION,
+    quiet: bool = QUIET_OPTION,
     debug: bool = DEBUG_OPTION,
 ) -> None:
     """Per layer: how much of K/V the latent keeps at each rank, and how much RoPE energy the shared key keeps.
@@ -66,7 +69,7 @@ def spectra(
         kv_elements_per_token_per_layer, kv_keep_actual, reason,
         energy_retained (per layer), energy_retained_mean.
     """
-    with handle_errors(debug):
+    with handle_errors(debug, json_out):
         from mlaconv.spectra import SpectraOptions, check_output_file, spectra as run_spectra, write_csv
 
         if plot is not None:
@@ -83,7 +86,7 @@ def spectra(
             calib=calib or [], calib_dataset=calib_dataset, calib_tokens=calib_tokens, calib_window=calib_window,
             device=device,
         )
-        with rich_progress() as track:
+        with progress(quiet) as track:
             report = run_spectra(src, options, progress=track)
         console = report_console(json_out)
         render_report(report, console)
@@ -91,10 +94,10 @@ def spectra(
             from mlaconv.plot import save_spectra_plot
 
             save_spectra_plot(report, plot)
-            console.print(f"plot: {plot}", highlight=False)
+            line(console, f"plot: {escape(str(plot))}")
         if csv_out is not None:
             write_csv(report, csv_out)
-            console.print(f"csv: {csv_out}", highlight=False)
+            line(console, f"csv: {escape(str(csv_out))}")
         if json_out:
             emit_json(report)
 
@@ -109,19 +112,15 @@ def _parse_list(text: str, kind: type, option: str) -> list:
 def render_report(report: dict, console) -> None:
     """The human-readable report: a header, one table row per layer, summary rows, the budget advice."""
     full = report["full_rank"]
-    console.print(
-        f"[bold]spectra[/] of {report['source']} ({report['architecture']}, {report['num_layers']} layers, "
-        f"{report['mode']}): R = {report['qk_rope_head_dim']} rope dims (stride {report['rope_stride']}); "
-        f"latent matrix {report['matrix_rows']}×{report['hidden_size']}, full rank {full}", highlight=False
-    )
+    line(console, f"[bold]spectra[/] of {escape(str(report['source']))} ({report['architecture']}, "
+                  f"{report['num_layers']} layers, {report['mode']}): R = {report['qk_rope_head_dim']} rope dims "
+                  f"(stride {report['rope_stride']}); latent matrix {report['matrix_rows']}×{report['hidden_size']}, "
+                  f"full rank {full}")
     table = Table(title="energy retained at rank r, rank needed per energy target, RoPE energy kept",
                   box=box.SIMPLE_HEAD, padding=0, show_edge=False)
-    table.add_column("layer", justify="right")
-    for r in report["ranks"]:
-        table.add_column(f"r={r}", justify="right")
-    for t in report["energy_targets"]:
-        table.add_column(f"r@{t * 100:g}%", justify="right")
-    table.add_column("RoPE", justify="right")
+    for column in ["layer", *(f"r={r}" for r in report["ranks"]),
+                   *(f"r@{t * 100:g}%" for t in report["energy_targets"]), "RoPE"]:
+        table.add_column(column, justify="right", overflow="fold")
     for layer in report["layers"]:
         table.add_row(str(layer["layer"]), *(f"{e:.3f}" for e in layer["energy_retained"]),
                       *(str(r) for r in layer["rank_for_energy"]), f"{layer['rope_energy_kept']:.3f}")
@@ -136,16 +135,14 @@ def render_report(report: dict, console) -> None:
         f"{_span([layer['rank_fraction_for_energy'][j] for layer in report['layers']])} for {t * 100:g}%"
         for j, t in enumerate(report["energy_targets"])
     )
-    console.print(f"share of the {full} singular values that carries the energy (over layers): {shares}",
-                  highlight=False)
+    line(console, f"share of the {full} singular values that carries the energy (over layers): {shares}")
     advice = report["recommendation"]
     if advice is not None:
-        console.print(
-            f"--kv-keep {advice['kv_keep']:g}: r = {advice['kv_lora_rank']}, R = {advice['qk_rope_head_dim']} "
-            f"({advice['kv_elements_per_token_per_layer']} of {report['kv_elements_per_token_per_layer']} elements, "
-            f"{advice['kv_keep_actual']:.1%}); mean latent energy {advice['energy_retained_mean']:.4f}, "
-            f"mean RoPE energy kept {summary['rope_energy_kept_mean']:.4f}; {advice['reason']}", highlight=False
-        )
+        line(console, f"--kv-keep {advice['kv_keep']:g}: r = {advice['kv_lora_rank']}, R = {advice['qk_rope_head_dim']} "
+                      f"({advice['kv_elements_per_token_per_layer']} of {report['kv_elements_per_token_per_layer']} "
+                      f"elements, {advice['kv_keep_actual']:.1%}); mean latent energy "
+                      f"{advice['energy_retained_mean']:.4f}, mean RoPE energy kept "
+                      f"{summary['rope_energy_kept_mean']:.4f}; {escape(advice['reason'])}")
 
 
 def _span(fractions: list[float]) -> str:

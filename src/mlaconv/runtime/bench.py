@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from mlaconv.absorb import MLAShape, StandardAttention, absorb_attention
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.rope import rotate_interleaved
+from mlaconv.progress import Progress, no_progress
 from mlaconv.runtime.attention import (absorbed_attention, attend_latent, expanded_attention, latent_rows,
                                        rope_cos_sin, standard_latent_rows)
 
@@ -245,7 +246,7 @@ class BenchOptions:
     seed: int = 0
 
 
-def run_decode_bench(options: BenchOptions, progress: Callable[[str], None] = lambda message: None) -> dict:
+def run_decode_bench(options: BenchOptions, progress: Progress = no_progress) -> dict:
     """Time every (device, dtype, context, shape); return ``{"environment": …, "rows": [...]}`` (JSON-able).
 
     For one (device, dtype, context) every variant is built first and then timed round-robin. The MLA
@@ -256,29 +257,34 @@ def run_decode_bench(options: BenchOptions, progress: Callable[[str], None] = la
         raise MlaconvError("the cpu clock cannot time CUDA kernels; use the wall clock with --devices cuda")
     if options.threads is not None:
         torch.set_num_threads(options.threads)
+
+    def settings():
+        for device in devices:
+            timer = Timer(device, options.repeats, options.warmup, options.cold, options.clock)
+            for dtype_name in options.dtypes:
+                generator = torch.Generator().manual_seed(options.seed)
+                std = random_mla_weights(MLA_SHAPE, generator)
+                for context in options.contexts:
+                    yield timer, device, dtype_name, generator, std, context
+
     rows = []
-    for device in devices:
-        timer = Timer(device, options.repeats, options.warmup, options.cold, options.clock)
-        for dtype_name in options.dtypes:
-            dtype = DTYPES[dtype_name]
-            generator = torch.Generator().manual_seed(options.seed)
-            std = random_mla_weights(MLA_SHAPE, generator)
-            for context in options.contexts:
-                progress(f"{device} {dtype_name} T={context}")
-                mla = MLALayers(MLA_SHAPE, std, context, dtype, device, generator)
-                sources = {name: SourceLayer(SHAPES[name], context, dtype, device, generator) for name in options.shapes}
-                x = _randn(1, 1, MLA_SHAPE.hidden, dtype=dtype, device=device, generator=generator)
-                steps = {"absorbed": lambda: mla.absorbed_step(x), "factored": lambda: mla.factored_step(x),
-                         "absorbed_core": mla.core_step}
-                if options.expanded:
-                    steps["expanded"] = lambda: mla.expanded_step(x)
-                for name, source in sources.items():
-                    steps[name] = lambda source=source: source.step(x)
-                    steps[name + "_core"] = source.core_step
-                times = timer.medians(steps)
-                for name, source in sources.items():
-                    rows.append(_row(name, SHAPES[name], device, dtype_name, context, source, mla, times))
-                del mla, sources, steps
+    total = len(devices) * len(options.dtypes) * len(options.contexts)
+    for timer, device, dtype_name, generator, std, context in progress(settings(), "timing decode steps", total):
+        dtype = DTYPES[dtype_name]
+        mla = MLALayers(MLA_SHAPE, std, context, dtype, device, generator)
+        sources = {name: SourceLayer(SHAPES[name], context, dtype, device, generator) for name in options.shapes}
+        x = _randn(1, 1, MLA_SHAPE.hidden, dtype=dtype, device=device, generator=generator)
+        steps = {"absorbed": lambda: mla.absorbed_step(x), "factored": lambda: mla.factored_step(x),
+                 "absorbed_core": mla.core_step}
+        if options.expanded:
+            steps["expanded"] = lambda: mla.expanded_step(x)
+        for name, source in sources.items():
+            steps[name] = lambda source=source: source.step(x)
+            steps[name + "_core"] = source.core_step
+        times = timer.medians(steps)
+        for name, source in sources.items():
+            rows.append(_row(name, SHAPES[name], device, dtype_name, context, source, mla, times))
+        del mla, sources, steps
     return {"environment": environment(devices, options), "rows": rows}
 
 

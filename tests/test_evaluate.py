@@ -304,3 +304,45 @@ def test_bad_inputs_are_one_line_errors(case, message, tmp_path, tiny_model, wit
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
     assert result.stdout == ""
+
+
+def test_float16_underflows_an_exact_mla_conversion_and_is_refused(tiny_model, tmp_path):
+    """Measured through transformers' own DeepseekV3 in float16: an exact conversion's logits move by
+    far more than the source's do, so eval (and the loader verify and eval share) refuse float16 for MLA."""
+    from transformers import AutoModelForCausalLM
+
+    from mlaconv.convert import ConvertOptions, convert
+
+    src = tiny_model(kv_heads=1, head_dim=16)  # MQA with R = d: the conversion is exact
+    out = tmp_path / "out"
+    convert(str(src), out, ConvertOptions(rank=16, rope_dim=16, verify=False))
+    ids = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(0))
+
+    def logits(folder, dtype):
+        model = AutoModelForCausalLM.from_pretrained(str(folder)).to(dtype).eval()
+        with torch.no_grad():
+            return model(ids).logits.double()
+
+    reference = logits(src, torch.float32)
+    scale = reference.abs().max()
+    error = {(name, dtype): ((logits(folder, dtype) - reference).abs().max() / scale).item()
+             for name, folder in (("source", src), ("converted", out)) for dtype in (torch.float32, torch.float16)}
+    assert error["converted", torch.float32] < 1e-4  # exact in float32
+    assert error["source", torch.float16] < 0.02
+    assert error["converted", torch.float16] > 0.1 and error["converted", torch.float16] > 10 * error["source", torch.float16]
+
+    ids_file = tmp_path / "ids.jsonl"
+    ids_file.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in ids.tolist()))
+    for model, baseline in ((out, src), (src, out)):  # refused whichever side the MLA checkpoint is on
+        result = cli(model, "--baseline", baseline, "--tokens", ids_file, "--dtype", "float16", "--json")
+        assert result.exit_code == 1, result.output
+        error_object = json.loads(result.stdout)
+        assert error_object["kind"] == "input" and f"--dtype float16 is refused for the MLA checkpoint {out}" in \
+            error_object["error"]
+        assert result.stderr.strip().splitlines() == [f"error: {error_object['error']}"]
+    with pytest.raises(MlaconvError, match="float16 is refused"):
+        load_causal_lm(out, torch.float16)
+    plain = cli(src, "--tokens", ids_file, "--dtype", "float16", "--json")  # no MLA model: float16 is the user's call
+    assert plain.exit_code == 0 and json.loads(plain.stdout)["dtype"] == "float16"
+    mla = cli(out, "--baseline", src, "--tokens", ids_file, "--dtype", "bfloat16", "--json", "--quiet")
+    assert mla.exit_code == 0 and json.loads(mla.stdout)["dtype"] == "bfloat16"

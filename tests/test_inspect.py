@@ -291,9 +291,10 @@ def test_cli_bad_input_is_one_line_and_non_zero(args, message, stories, tmp_path
     names = {"missing": tmp_path / "nope", "unsupported": unsupported, "stories": stories, "tmp": tmp_path}
     result = runner.invoke(app, ["inspect", "spectra", *(a.format(**names) for a in args), "--json"])
     assert result.exit_code == 1
-    assert result.stdout == ""
+    error = json.loads(result.stdout)
+    assert error["kind"] == "input" and message in error["error"]
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+    assert lines == [f"error: {error['error']}"], result.stderr
 
 
 def test_calibrated_inspect_agrees_with_calibrated_convert(stories, tmp_path):

@@ -25,7 +25,8 @@ RANK = ["--rank", "16", "--rope-dim", "8", "--no-verify"]  # head_dim 16 in ever
 
 
 def cli(*args: str | Path):
-    return CliRunner().invoke(app, ["convert", *map(str, args)])
+    """``mlaconv convert --quiet``: what is left on stderr is errors and warnings."""
+    return CliRunner().invoke(app, ["convert", "--quiet", *map(str, args)])
 
 
 def hashes(folder: Path) -> dict[str, str]:

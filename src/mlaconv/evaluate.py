@@ -29,7 +29,7 @@ from mlaconv.progress import Progress, no_progress
 from mlaconv.io import read_config, resolve_source
 from mlaconv.io.text import load_dataset_text, parse_dataset, read_text, read_token_lines
 from mlaconv.models import (DTYPES, available_memory_bytes, check_device, kv_cache_bytes_per_token, kv_cache_elements,
-                            load_causal_lm, load_tokenizer, parameter_bytes)
+                            load_causal_lm, load_tokenizer, parameter_bytes, refuse_float16_mla)
 
 DEFAULT_WINDOW = 2048
 # Rows × vocab of logits turned into float32 log-probabilities at once (64 MiB per model).
@@ -188,6 +188,8 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
     started = time.perf_counter()
     torch_dtype = _parse_options(window, max_windows, batch_size, dtype, device, device_map)
     folders = _resolve_models(model, baseline)
+    for role, folder in folders.folders().items():  # --dtype applies to both: float16 is out if either is MLA
+        refuse_float16_mla(folder, folders.configs[role], torch_dtype)
     context = _shortest_context(folders)
     window = window if window is not None else min(DEFAULT_WINDOW, context or DEFAULT_WINDOW)
     if context and window > context:

@@ -12,10 +12,30 @@ from mlaconv.errors import MlaconvError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype choices
 
 
+def refuse_float16_mla(folder: str | Path, config: dict, dtype: torch.dtype) -> None:
+    """Refuse to run an MLA checkpoint (one with ``kv_lora_rank``) in float16, in one line.
+
+    mlaconv keeps the kv_a_proj latent tiny so that kv_a_layernorm is a linear map; float16 flushes
+    it to subnormals and zero, and even an exact conversion then moves its logits by tens of percent.
+    """
+    if dtype == torch.float16 and config.get("kv_lora_rank"):
+        raise MlaconvError(
+            f"--dtype float16 is refused for the MLA checkpoint {folder}: its kv_a_proj latent is kept tiny "
+            "(mean square ≤ 1e-11) so that kv_a_layernorm is linear, and float16 underflows it (logits off by tens "
+            "of percent even for an exact conversion); use --dtype bfloat16 (same memory) or float32"
+        )
+
+
 def load_causal_lm(folder: str | Path, dtype: torch.dtype = torch.float32, device_map: str | None = None,
                    device: str | None = None):
-    """``AutoModelForCausalLM.from_pretrained`` in eval mode, without remote code, on any transformers ≥ 4.53."""
+    """``AutoModelForCausalLM.from_pretrained`` in eval mode, without remote code, on any transformers ≥ 4.53.
+
+    An MLA checkpoint is never loaded in float16 (see ``refuse_float16_mla``).
+    """
     from transformers import AutoModelForCausalLM
+
+    if dtype == torch.float16:
+        refuse_float16_mla(folder, json.loads((Path(folder) / "config.json").read_text()), dtype)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -26,7 +26,7 @@ def perplexity(
     window: Optional[int] = typer.Option(None, "--window", help="Tokens per window (default 2048, or the models' context if shorter)."),
     max_windows: Optional[int] = typer.Option(None, "--max-windows", help="Score only the first N windows."),
     batch_size: int = typer.Option(1, "--batch-size", help="Windows per forward pass."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (both models)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (both models; float16 is refused when either is an MLA checkpoint)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu (default), cuda, cuda:1, mps …"),
     device_map: Optional[str] = typer.Option(None, "--device-map", help="`auto` spreads each model over this machine's GPUs (accelerate)."),
     json_out: bool = JSON_OPTION,

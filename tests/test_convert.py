@@ -30,6 +30,31 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def check_by_hand(src, out, report, drop_biases: bool = False) -> dict:
+    """The built-in check's KL and top-1 recomputed here: transformers' own models on the check's tokens,
+    KL(source ‖ converted) and top-1 agreement in plain PyTorch (``drop_biases``: as vLLM/SGLang run it)."""
+    from mlaconv.convert import load_source
+    from mlaconv.verify import verification_tokens
+
+    check = report["verify"]
+    assert check["dtype"] == "float32"
+    source = AutoModelForCausalLM.from_pretrained(src).eval()
+    converted = AutoModelForCausalLM.from_pretrained(out).eval()
+    if drop_biases:
+        for layer in converted.model.layers:
+            for module in (layer.self_attn.kv_a_proj_with_mqa, layer.self_attn.o_proj):
+                if module.bias is not None:
+                    module.bias.data.zero_()
+    tokens = verification_tokens(Path(src), load_source(str(src))[1], check["windows"],
+                                 check["tokens"] // check["windows"], model=source)
+    assert tokens.numel() == check["tokens"]
+    with torch.no_grad():
+        logp = torch.log_softmax(source(tokens).logits.double(), -1)
+        logq = torch.log_softmax(converted(tokens).logits.double(), -1)
+    return {"kl": (logp.exp() * (logp - logq)).sum(-1).mean().item(),
+            "top1": (logp.argmax(-1) == logq.argmax(-1)).double().mean().item()}
+
+
 def test_mqa_full_rank_is_exact_in_float32(tiny_model, tmp_path):
     src = tiny_model(kv_heads=1, head_dim=16)
     report = run(src, tmp_path / "out", rank=16, rope_dim=16)
@@ -139,7 +164,9 @@ def test_qwen2_biases_folded_and_reported(tiny_model, tmp_path):
     # k and v biases are folded exactly (k's NoPE part is softmax-invariant, v's goes to o_proj.bias).
     assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
     assert report["verify"]["max_rel_logit_diff"] <= 1e-4
-    assert report["verify"]["biases_dropped"]["kl"] > 1e-6  # what vLLM/SGLang would lose, measured
+    dropped = check_by_hand(src, tmp_path / "out", report, drop_biases=True)["kl"]
+    assert report["verify"]["biases_dropped"]["kl"] == pytest.approx(dropped, rel=1e-6)
+    assert dropped > 1e-6  # what vLLM/SGLang would lose, measured
     assert any("vLLM and SGLang drop" in w for w in report["serving"]["warnings"])
 
 
@@ -148,7 +175,9 @@ def test_qwen2_query_bias_is_reported_and_measured(tiny_model, tmp_path):
     report = run(src, tmp_path / "out", rank=48, rope_dim=16, verify=True)
     assert report["dropped_bias"] == ["q_proj.bias"]
     assert any("q_proj.bias" in w for w in report["serving"]["warnings"])
-    assert report["verify"]["kl"] > 0
+    by_hand = check_by_hand(src, tmp_path / "out", report)
+    assert report["verify"]["kl"] == pytest.approx(by_hand["kl"], rel=1e-6) and by_hand["kl"] > 1e-6
+    assert report["verify"]["top1"] == by_hand["top1"]
 
 
 def test_mistral_converts(tiny_model, tmp_path):
@@ -165,7 +194,9 @@ def test_stories260k_converts_and_generates(stories, tmp_path, rank):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     generated = model.generate(torch.tensor([[1]]), max_new_tokens=12, do_sample=False)
     assert generated.shape == (1, 13)
-    assert report["verify"]["top1"] > 0
+    by_hand = check_by_hand(stories, tmp_path / "out", report)
+    assert report["verify"]["top1"] == by_hand["top1"]
+    assert report["verify"]["kl"] == pytest.approx(by_hand["kl"], rel=1e-6)
 
 
 def test_kv_keep_picks_shapes_within_budget(stories, tmp_path):

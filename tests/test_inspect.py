@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,6 +116,57 @@ def test_rank_for_energy_and_default_ranks():
     assert default_ranks(1) == [1]
 
 
+def checkpoint_values(out, i: int) -> torch.Tensor:
+    """[N, V, H]: what the written layer i computes as each head's value of a normalised input, read from the
+    DeepSeek-V3 tensors (kv_b_proj's value rows · kv_a_layernorm linearised by the tiny latent · kv_a_proj)."""
+    config = json.loads((out / "config.json").read_text())
+    N, r, P, V = (config[k] for k in ("num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"))
+    weights = {}
+    for shard in set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values()):
+        weights.update(load_file(out / shard))
+    prefix = f"model.layers.{i}.self_attn."
+    down = weights[prefix + "kv_a_proj_with_mqa.weight"].double()[:r]  # [r, H]
+    norm = weights[prefix + "kv_a_layernorm.weight"].double() / config["rms_norm_eps"] ** 0.5  # [r]
+    up = weights[prefix + "kv_b_proj.weight"].double().reshape(N, P + V, r)[:, P:]  # [N, V, r]
+    return up @ (norm[:, None] * down)
+
+
+def source_values(src, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The source's values per query head [N, d, H] (GQA groups repeated) and its input norm γ [H]."""
+    config = json.loads((src / "config.json").read_text())
+    weights = load_file(src / "model.safetensors")
+    N, G = config["num_attention_heads"], config["num_key_value_heads"]
+    v = weights[f"model.layers.{i}.self_attn.v_proj.weight"].double()
+    v = v.reshape(G, -1, v.shape[-1]).repeat_interleave(N // G, dim=0)
+    return v, weights[f"model.layers.{i}.input_layernorm.weight"].double()
+
+
+def relative_value_error(src, out, i: int) -> float:
+    """‖(V − V̂)·diag γ‖² / ‖V·diag γ‖²: the value error on inputs with E[x̂ x̂ᵀ] = diag γ² (weights-only)."""
+    v, gamma = source_values(src, i)
+    return (((v - checkpoint_values(out, i)) * gamma).pow(2).sum() / (v * gamma).pow(2).sum()).item()
+
+
+def test_energy_is_the_optimal_truncation_measured_on_the_written_checkpoint(tiny_model, tmp_path):
+    """MQA with R = d keeps every key rotated, so the latent only carries the values: by Eckart–Young the best
+    rank-r error of V·diag γ is the tail of its singular values. Convert's checkpoint must reach it, and
+    both commands must report it, all computed here from the weight files."""
+    src = tiny_model(kv_heads=1, head_dim=16, layers=2, seed=4)
+    rank = 6
+    converted = run_convert(src, tmp_path / "out", rank=rank, rope_dim=16)
+    report = spectra(str(src), SpectraOptions(ranks=[rank], rope_dim=16))
+    for i in range(2):
+        v, gamma = source_values(src, i)
+        singular = torch.linalg.svdvals((v[0] * gamma))
+        optimum = ((singular[:rank] ** 2).sum() / (singular**2).sum()).item()
+        measured = relative_value_error(src, tmp_path / "out", i)
+        assert 1 - measured == pytest.approx(optimum, abs=1e-6)
+        assert converted["energy_retained"]["per_layer"][i] == pytest.approx(optimum, abs=1e-6)
+        assert report["layers"][i]["energy_retained"][0] == pytest.approx(optimum, abs=1e-6)
+        assert converted["value_error"][i] == pytest.approx(measured, rel=1e-4)
+        assert 0.05 < measured < 0.95  # a real truncation
+
+
 @pytest.mark.parametrize("model", ["tiny-gqa", "stories"])
 def test_inspect_reports_what_convert_reports(model, tiny_model, stories, tmp_path):
     if model == "stories":
@@ -132,6 +184,9 @@ def test_inspect_reports_what_convert_reports(model, tiny_model, stories, tmp_pa
                                                                                     abs=1e-12, rel=0)
     for layer, per_frequency in zip(report["layers"], converted["rope_energy_kept_per_frequency"]):
         assert layer["rope_energy_kept_per_frequency"] == pytest.approx(per_frequency, abs=1e-12, rel=0)
+    # What convert reports about its values is what its written tensors do (measured from the files here).
+    measured = [relative_value_error(Path(src), tmp_path / "out", i) for i in range(report["num_layers"])]
+    assert converted["value_error"] == pytest.approx(measured, rel=1e-4, abs=1e-7)
 
 
 def test_kv_keep_recommends_what_convert_picks(tiny_model, tmp_path):

@@ -233,7 +233,7 @@ def test_models_that_do_not_fit_together_run_one_after_the_other(with_tokenizer,
 
 
 def test_dataset_text_is_joined_with_blank_lines(tmp_path, with_tokenizer, monkeypatch):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     paragraphs = TEXT.split("\n\n")
     (tmp_path / "data").mkdir()
@@ -249,7 +249,7 @@ def test_dataset_text_is_joined_with_blank_lines(tmp_path, with_tokenizer, monke
 
 
 def test_a_dataset_missing_from_the_cache_offline_is_a_one_line_error(tmp_path, with_tokenizer, monkeypatch):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     with pytest.raises(MlaconvError, match="cannot load dataset wikitext .config wikitext-2-raw-v1, split test"):

@@ -110,6 +110,31 @@ def test_a_calibrated_conversion_logs_progress_into_a_redirected_stderr_while_it
     assert "converted" in (tmp_path / "stdout.txt").read_text()  # the report went to stdout, not the log
 
 
+def test_a_terminal_gets_live_bars_not_log_lines(tmp_path):
+    """stderr on a pseudo-terminal: rich draws its bars there, and no plain progress line is written."""
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "mlaconv", "convert", str(STORIES), str(tmp_path / "out"),
+                                "--rank", "8", "--no-verify"], stdout=subprocess.DEVNULL, stderr=follower)
+    os.close(follower)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: the process is done
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(leader)
+    assert process.wait(timeout=600) == 0, drawn.decode(errors="replace")
+    text = drawn.decode(errors="replace")
+    assert "converting layers" in text and "\x1b[" in text  # a bar, drawn with terminal control sequences
+    assert progress_lines(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r", "\n")) == []
+
+
 @pytest.fixture(scope="module")
 def tokens_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tokens") / "ids.jsonl"

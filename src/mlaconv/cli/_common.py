@@ -13,19 +13,19 @@ import sys
 import traceback
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Iterable, Iterator, TypeVar
 
 import typer
+from rich import progress as rich_progress
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from typer.core import TyperGroup
 
 from mlaconv.errors import MlaconvError
-from mlaconv.progress import LineProgress, no_progress
+from mlaconv.progress import LineProgress, Progress, no_progress
 
 T = TypeVar("T")
-# click's base error, whether typer uses click itself or (typer ≥ 0.22) its own copy of it.
+# click's base error, whether typer uses click itself or (newer typer) its own copy of it.
 CLICK_ERROR = next(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "ClickException")
 # Reports written to a file or a pipe are laid out this wide: never wrapped, no cell cut short.
 PLAIN_WIDTH = 100_000
@@ -56,7 +56,7 @@ def line(target: Console, text: str) -> None:
 
 
 @contextmanager
-def progress(quiet: bool) -> Iterator[Callable[[Iterable[T], str, int], Iterator[T]]]:
+def progress(quiet: bool) -> Iterator[Progress]:
     """The library's progress callback: rich bars on a terminal, plain timed lines on a redirected stderr
     (CI, nohup, ``2> log``), nothing with ``--quiet``."""
     if quiet:
@@ -64,8 +64,10 @@ def progress(quiet: bool) -> Iterator[Callable[[Iterable[T], str, int], Iterator
     elif not is_terminal(sys.stderr):
         yield LineProgress(sys.stderr)
     else:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TimeRemainingColumn(), console=console(stderr=True), transient=True) as bars:
+        columns = (rich_progress.TextColumn("{task.description}"), rich_progress.BarColumn(),
+                   rich_progress.MofNCompleteColumn(), rich_progress.TimeElapsedColumn(),
+                   rich_progress.TimeRemainingColumn())
+        with rich_progress.Progress(*columns, console=console(stderr=True), transient=True) as bars:
 
             def track(items: Iterable[T], description: str, total: int) -> Iterator[T]:
                 task = bars.add_task(description, total=total)

@@ -247,16 +247,17 @@ def test_unexpected_failures_and_interrupts_are_json_errors_too(failure, kind, c
                                                                  tokens_file):
     import mlaconv.convert
     import mlaconv.evaluate
+    import mlaconv.runtime.bench
     import mlaconv.spectra
 
     def broken(*args, **kwargs):
         raise failure
 
     for module, name in ((mlaconv.convert, "convert"), (mlaconv.spectra, "spectra"),
-                         (mlaconv.evaluate, "evaluate_perplexity")):
+                         (mlaconv.evaluate, "evaluate_perplexity"), (mlaconv.runtime.bench, "run_decode_bench")):
         monkeypatch.setattr(module, name, broken)
     for args in (["convert", STORIES, tmp_path / "out", "--rank", "8"], ["inspect", "spectra", STORIES],
-                 ["eval", "perplexity", STORIES, "--tokens", tokens_file]):
+                 ["eval", "perplexity", STORIES, "--tokens", tokens_file], ["bench", "decode"]):
         result = run(*args, "--json")
         assert_json_error(result, kind, code, message)
         assert len([text for text in result.stderr.splitlines() if text.strip()]) == 1, result.stderr

@@ -137,6 +137,7 @@ class SourceSpec:
             raise MlaconvError("config.json has no model_type; is this a Hugging Face causal LM?")
         family = family_for(model_type)
         _check_auto_map(family, config.get("auto_map"))
+        family.check_config(config)
 
         def number(key: str, default=None, kind: type = int):
             """config[key] as a positive ``kind``; a one-line error if it is missing (without default) or malformed."""

@@ -294,7 +294,7 @@ def search_shapes(plan: Plan, options: ConvertOptions, progress: Progress = no_p
     layers = {c: replace(plan.layer, rank=c.rank, rope_dim=c.rope_dim, rope_stride=strides[c.rope_dim])
               for c in candidates}
     streamer = calibration_streamer(plan, options, windows=SEARCH_WINDOWS)
-    freqs = spec.rope_frequencies()
+    freqs = spec.rope_frequencies(streamer.options.tokens.shape[1])  # LongRoPE: as at the calibration length
     errors = {c: 0.0 for c in candidates}
     for i in progress(range(spec.num_layers), "choosing r and R", spec.num_layers):
         src = read_attention(plan.reader, spec, i)
@@ -518,7 +518,7 @@ def best_calibrated_layer(i: int, src: SourceAttention, plan: Plan, streamer: So
     refine it by gradient steps on other calibration windows and keep that only if it measures better."""
     stats = streamer.stats(i, src)
     spec, layer = plan.spec, plan.layer
-    freqs = spec.rope_frequencies()
+    freqs = spec.rope_frequencies(streamer.options.tokens.shape[1])  # LongRoPE: as at the calibration length
     slots = freqs[rope.kept_frequencies(layer.rope_dim, layer.rope_stride)]
 
     def measured(latent):

@@ -59,6 +59,9 @@ class Family:
     partial_rotary: bool = False  # whether transformers' class honours partial_rotary_factor
     upstreamed_code: tuple[str, ...] = ()  # auto_map classes that transformers ships natively (never run)
 
+    def check_config(self, config: dict) -> None:
+        """Refuse, in one line, a malformed family-specific setting (nothing to check for Llama's layout)."""
+
     def rope_layers(self, config: dict, layers: int) -> tuple[bool, ...]:
         """Which layers apply RoPE (all of them, unless the family says otherwise)."""
         return (True,) * layers
@@ -113,10 +116,16 @@ class Granite(Family):
     m_attn instead of d^-½ (into the query, ×m_attn·√d), each residual branch ×m_res (o_proj, down_proj),
     logits ÷ logits_scaling (lm_head)."""
 
+    MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
+
+    def check_config(self, config: dict) -> None:
+        for key in self.MULTIPLIERS:
+            _multiplier(config, key)
+
     def modify(self, spec: "SourceSpec", key: str, tensor: torch.Tensor) -> torch.Tensor:
         c = spec.config
         residual = _multiplier(c, "residual_multiplier")
-        query = _multiplier(c, "attention_multiplier", spec.head_dim**-0.5) * math.sqrt(spec.head_dim)
+        query = _multiplier(c, "attention_multiplier") * math.sqrt(spec.head_dim)  # transformers: 1.0 if unset
         factor = {EMBED: _multiplier(c, "embedding_multiplier"), LM_HEAD: 1 / _multiplier(c, "logits_scaling"),
                   Q + W: query, Q + B: query, O + W: residual, O + B: residual, DOWN: residual}.get(key, 1.0)
         if factor == 1.0:

@@ -105,7 +105,7 @@ class Phi3(Family):
             return super().read(get, spec, i, key)
         fused, part = _PHI3_FUSED[key]
         N, G, d, F = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
-        rows = (N * d, G * d, G * d) if part < 3 and "qkv" in fused else (F, F)
+        rows = (N * d, G * d, G * d) if fused.startswith("self_attn.") else (F, F)
         start = sum(rows[:part])
         return get(layer_name(i, fused), keep=True)[start : start + rows[part]].clone()
 
@@ -176,9 +176,6 @@ class SourceWeights:
             self._fused = (name, self.reader.get(name))
         return self._fused[1]
 
-    def __contains__(self, key: str) -> bool:
-        return key in self.reader
-
     def tensor(self, i: int | None, key: str) -> torch.Tensor:
         """One canonical tensor: layer ``i``'s ``key`` (top level when None), read and folded."""
         if i is None and key == LM_HEAD and LM_HEAD not in self.reader:  # tied: the head is the raw embedding
@@ -240,14 +237,14 @@ def canonical_rope(spec: "SourceSpec", w: torch.Tensor, bias: torch.Tensor | Non
     half, passing = rot // 2, (d - rot) // 2
     order = torch.cat([torch.arange(half), rot + torch.arange(passing), half + torch.arange(half),
                        rot + passing + torch.arange(passing)])
-    scale = torch.ones(d, dtype=torch.float64)
-    scale[:half] = scale[d // 2 : d // 2 + half] = factor
+    scale = torch.ones(d)
+    scale[:half] = scale[d // 2 : d // 2 + half] = factor  # the rotated pairs, after the reordering
 
     def reorder(t: torch.Tensor) -> torch.Tensor:
         heads = t.shape[0] // d
         t = t.reshape(heads, d, *t.shape[1:])[:, order]
         if factor != 1.0:
-            t = t.to(torch.promote_types(t.dtype, torch.float32)) * scale.to(torch.float32).view(d, *[1] * (t.dim() - 2))
+            t = t.to(torch.promote_types(t.dtype, torch.float32)) * scale.view(d, *[1] * (t.dim() - 2))
         return t.reshape(heads * d, *t.shape[2:])
 
     return reorder(w), None if bias is None else reorder(bias)

@@ -132,8 +132,10 @@ def write_checkpoint(out: Path, folder: Path, spec: SourceSpec, reader: Checkpoi
         for i, mla in enumerate(layers):
             write_layer(writer, reader, spec, i, mla, alpha, dtype)
         writer.finish()
-        theta = rope.target_rope_theta(spec.rope_theta, spec.head_dim, shapes.rope_dim, stride)
+        theta = rope.target_rope_theta(spec.rope_theta, spec.rotary_dim, shapes.rope_dim, stride)
         config = deepseek.build_config(spec, rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=theta,
+                                       rope_scaling=rope.target_rope_scaling(spec.rope_scaling,
+                                                                             rope.kept_frequencies(shapes.rope_dim, stride)),
                                        attention_bias=attention_bias, dtype_name=str(dtype).replace("torch.", ""))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name in TOKENIZER_FILES:

@@ -164,7 +164,7 @@ def probe_attention(shape: Shape, rank: int, rope_dim: int) -> None:
     H, N, K, d = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
     src = SourceAttention(q=0.02 * torch.randn(N * d, H), k=0.02 * torch.randn(K * d, H),
                           v=0.02 * torch.randn(K * d, H), o=0.02 * torch.randn(H, N * d), input_norm=torch.ones(H))
-    src = SourceAttention(**{name: t.to(torch.bfloat16) for name, t in vars(src).items() if t is not None})
+    src = src.cast(dtype=torch.bfloat16)
     before = _hwm()
     convert_attention(src, AttentionShape(H, N, K, d), LayerOptions(rank=rank, rope_dim=rope_dim,
                                                                      rope_theta=500000.0, rope_stride=1))

@@ -14,6 +14,7 @@ import torch
 from mlaconv.arch import SourceSpec
 from mlaconv.calibrate import CalibrationOptions, SourceStreamer, load_calibration_tokens
 from mlaconv.convert import ConvertOptions, convert, read_attention
+from mlaconv.families import FINAL_NORM, LM_HEAD
 from mlaconv.io import CheckpointReader, read_config
 from mlaconv.mla import latent
 from mlaconv.mla.attention import AttentionShape, LayerOptions, analyse_layer, convert_attention
@@ -45,8 +46,8 @@ def test_streamed_source_forward_matches_transformers(tiny_model):
         attention = read_attention(reader, spec, i)
         streamer.stats(i, attention)
         streamer.advance(i, attention)
-    final = rms_norm(streamer.hidden, reader.get(spec.names.final_norm), spec.rms_norm_eps)
-    ours = final.double() @ reader.get(spec.names.lm_head).double().T
+    final = rms_norm(streamer.hidden, reader.get(FINAL_NORM), spec.rms_norm_eps)
+    ours = final.double() @ reader.get(LM_HEAD).double().T
     with torch.no_grad():
         theirs = load_causal_lm(src)(tokens).logits.double()
     assert torch.allclose(ours, theirs, rtol=0, atol=1e-4 * theirs.abs().max().item())

@@ -164,6 +164,10 @@ def norm_nonlinearity(bound: float) -> float:
     return 1.0 - (1.0 + bound) ** -0.5
 
 
+LONGROPE_REFUSAL = ("the absorbed form describes one set of RoPE frequencies, and longrope switches to another "
+                    "past original_max_position_embeddings")
+
+
 @dataclass(frozen=True)
 class RopeSpec:
     """The interleaved RoPE of the rope dims: pair i = dims (2i, 2i+1) turns by pos·inv_freq[i]."""
@@ -175,6 +179,8 @@ class RopeSpec:
     @classmethod
     def from_config(cls, config: dict) -> "RopeSpec":
         theta, scaling = rope_settings(config)
+        if scaling and scaling["rope_type"] == "longrope":
+            raise MlaconvError(LONGROPE_REFUSAL)
         if not config.get("rope_interleave", True):
             raise MlaconvError("rope_interleave is false; the absorbed form describes interleaved RoPE only")
         inv_freq = rope.scaled_frequencies(theta, int(config["qk_rope_head_dim"]), scaling)

@@ -1,78 +1,90 @@
-"""Source architectures as data: one table of families, their tensor names and their quirks.
+"""Source architectures as data: the table of families we convert, and why each one we refuse is refused.
 
-A supported family is an entry in ``FAMILIES``; adding one that shares Llama's layout is a few lines.
-``SourceSpec.from_config`` turns a ``config.json`` into the normalised shapes the converter needs,
-and refuses, in one line, anything whose attention the DeepSeek-V3 layout cannot express.
+A supported family is an entry in ``FAMILIES`` (its hooks live in ``mlaconv.families``); adding one
+that shares Llama's layout is one line. ``SourceSpec.from_config`` turns a ``config.json`` into the
+normalised shapes the converter needs, and refuses, in one line and with the reason, anything whose
+computation the DeepSeek-V3 layout cannot hold.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import math
+from dataclasses import dataclass
 
 import torch
 
 from mlaconv.errors import MlaconvError
-
-BiasRule = Literal["never", "always", "config"]
-
-
-@dataclass(frozen=True)
-class TensorNames:
-    """Tensor names of a Llama-style checkpoint; ``{i}`` is the layer index."""
-
-    embed: str = "model.embed_tokens.weight"
-    final_norm: str = "model.norm.weight"
-    lm_head: str = "lm_head.weight"
-    layer: str = "model.layers.{i}."
-    q: str = "self_attn.q_proj"
-    k: str = "self_attn.k_proj"
-    v: str = "self_attn.v_proj"
-    o: str = "self_attn.o_proj"
-    gate: str = "mlp.gate_proj"
-    up: str = "mlp.up_proj"
-    down: str = "mlp.down_proj"
-    input_norm: str = "input_layernorm.weight"
-    post_attention_norm: str = "post_attention_layernorm.weight"
-
-    def in_layer(self, i: int, name: str) -> str:
-        return self.layer.format(i=i) + name
-
-
-@dataclass(frozen=True)
-class Family:
-    """One source family: how to recognise it, where its biases are, which config keys it may set."""
-
-    label: str
-    model_types: tuple[str, ...]
-    qkv_bias: BiasRule = "never"
-    o_bias: BiasRule = "never"
-    names: TensorNames = field(default_factory=TensorNames)
-    sliding_window_flag: str | None = None  # config key that switches sliding windows on (None: window alone)
-
+from mlaconv.families import EMBED, FINAL_NORM, LM_HEAD, BiasRule, Family, Granite, Phi3, SmolLM3, layer_name
+from mlaconv.mla import rope
 
 FAMILIES: tuple[Family, ...] = (
     Family("Llama", ("llama",), qkv_bias="config", o_bias="config"),
     Family("Mistral", ("mistral",)),
+    Family("Ministral", ("ministral",)),
     Family("Qwen2", ("qwen2",), qkv_bias="always", sliding_window_flag="use_sliding_window"),
+    Phi3("Phi-3", ("phi3",), partial_rotary=True,
+         upstreamed_code=("configuration_phi3.Phi3Config", "modeling_phi3.Phi3ForCausalLM")),
+    Granite("Granite", ("granite",), qkv_bias="config", o_bias="config"),
+    SmolLM3("SmolLM3", ("smollm3",), qkv_bias="config", o_bias="config", sliding_window_flag="use_sliding_window"),
 )
 
-# Families we recognise and refuse, with the reason the DeepSeek-V3 layout cannot hold them.
+# What the DeepSeek-V3 block cannot hold, by feature; REFUSED names them per model_type.
+QK_NORM = ("RMSNorm on the queries and keys (q_norm, k_norm) before RoPE: a norm of each token's own key is "
+           "not a linear map of the hidden state, which a latent must be; this needs calibrated conversion "
+           "(not yet supported)")
+POST_NORMS = "norms on the attention and MLP outputs (post-norms), which the DeepSeek-V3 block has no place for"
+LAYER_NORM = "LayerNorm (mean-subtracting) where DeepSeek-V3 has RMSNorm"
+PARALLEL = "a parallel block (attention and MLP read the same input), where DeepSeek-V3 runs them in sequence"
+GELU_MLP = "a non-gated GELU MLP, where DeepSeek-V3's is SwiGLU"
+GEGLU = ("a GeGLU MLP (gelu_pytorch_tanh): vLLM's and SGLang's DeepSeek-V3 MLP is SiLU only (transformers' "
+         "follows hidden_act), so no MLA engine would serve it")
+SLIDING = "sliding-window layers"
+SOFTCAP = "attention-logit and final-logit soft-capping (tanh)"
+MOE = "mixture-of-experts layers (not handled)"
+LEARNED_POSITIONS = "learned absolute position embeddings instead of RoPE"
+ALIBI = "ALiBi position biases instead of RoPE"
+RELU2 = "a non-gated ReLU² MLP, where DeepSeek-V3's is SwiGLU"
+
 REFUSED: dict[str, str] = {
-    "qwen3": "its per-head q/k RMSNorm (q_norm, k_norm) does not commute with mixing heads for the shared RoPE key",
-    "qwen3_moe": "its per-head q/k RMSNorm does not commute with mixing heads, and MoE sources are not handled",
-    "gemma": "Gemma scales embeddings and uses (1 + w) norms and GeGLU, which DeepSeek-V3 cannot express",
-    "gemma2": "Gemma-2 uses logit soft-capping, sliding-window layers and (1 + w) norms",
-    "gemma3": "Gemma-3 uses per-head q/k norms and sliding-window layers",
-    "gpt2": "GPT-2 uses learned absolute positions, LayerNorm and a fused c_attn projection",
-    "phi3": "Phi-3 uses fused qkv/gate_up projections and longrope scaling",
-    "mixtral": "mixture-of-experts sources are not handled",
+    "qwen3": f"Qwen3 uses per-head {QK_NORM}",
+    "qwen3_moe": f"Qwen3-MoE uses per-head {QK_NORM}, and {MOE}",
+    "olmo2": f"OLMo-2 has {POST_NORMS}, and {QK_NORM}",
+    "olmo3": f"OLMo-3 has {POST_NORMS}, {SLIDING}, and {QK_NORM}",
+    "exaone4": f"EXAONE-4 has {POST_NORMS}, {SLIDING}, and per-head {QK_NORM}",
+    "gemma": ("Gemma's √hidden embedding scale and (1 + w) RMSNorms would fold exactly into the weights, but it has "
+              f"{GEGLU}"),
+    "gemma2": f"Gemma-2 has {SOFTCAP}, {POST_NORMS}, {SLIDING} and {GEGLU}",
+    "gemma3_text": f"Gemma-3 has per-head {QK_NORM}; and {POST_NORMS}, {SLIDING} and {GEGLU}",
+    "gemma3": f"Gemma-3 has per-head {QK_NORM}; and {POST_NORMS}, {SLIDING} and {GEGLU}",
+    "olmo": "OLMo-1 uses a non-parametric LayerNorm (mean-subtracting, no weight) where DeepSeek-V3 has RMSNorm",
+    "cohere": f"Command-R (Cohere) uses {LAYER_NORM}, {PARALLEL}, and a logit scale",
+    "cohere2": f"Command-R7B (Cohere2) uses {LAYER_NORM}, {PARALLEL}, and {SLIDING}",
+    "stablelm": f"StableLM uses {LAYER_NORM} with biases (and optionally {PARALLEL} and per-head q/k LayerNorms)",
+    "gpt_neox": f"GPT-NeoX uses {LAYER_NORM} with biases, {PARALLEL} and {GELU_MLP}",
+    "falcon": f"Falcon uses {LAYER_NORM} with biases, {PARALLEL} and {GELU_MLP} (some checkpoints also ALiBi)",
+    "phi": f"Phi-1/2 uses {LAYER_NORM} with biases, {PARALLEL} and {GELU_MLP}",
+    "gptj": f"GPT-J uses {LAYER_NORM} with biases, {PARALLEL} and {GELU_MLP}",
+    "starcoder2": f"StarCoder2 uses {LAYER_NORM} with biases, {GELU_MLP} and {SLIDING}",
+    "nemotron": f"Nemotron uses LayerNorm1P (mean-subtracting, 1 + w) and {RELU2}",
+    "arcee": f"Arcee (AFM) uses {RELU2}",
+    "gpt2": f"GPT-2 uses {LEARNED_POSITIONS}, {LAYER_NORM} and {GELU_MLP}",
+    "opt": f"OPT uses {LEARNED_POSITIONS}, {LAYER_NORM} and a ReLU MLP",
+    "bloom": f"BLOOM uses {ALIBI}, {LAYER_NORM} and {GELU_MLP}",
+    "mpt": f"MPT uses {ALIBI}, {LAYER_NORM} and {GELU_MLP}",
+    "mixtral": f"Mixtral has {MOE}",
+    "qwen2_moe": f"Qwen2-MoE has {MOE}",
+    "olmoe": f"OLMoE has {MOE}",
+    "phimoe": f"PhiMoE has {MOE}",
+    "granitemoe": f"Granite-MoE has {MOE}",
+    "llama4": f"Llama-4 has {MOE}, chunked attention and per-layer NoPE with QK norms",
     "deepseek_v2": "it already is an MLA model",
     "deepseek_v3": "it already is an MLA model",
 }
 
-SUPPORTED_TEXT = "supported: Llama (1/2/3.x), Mistral, Qwen2/2.5 (MHA, GQA or MQA)"
-_EXACT_ROPE_TYPES = {"default", "linear", "llama3"}
+SUPPORTED_TEXT = ("supported: Llama (1/2/3.x), Mistral, Ministral, Qwen2/2.5, Phi-3/3.5/4-mini, Granite (3.x), "
+                  "SmolLM3 (MHA, GQA or MQA)")
+_EXACT_ROPE_TYPES = {"default", "linear", "llama3", "longrope"}
+_CODE_KEYS = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")  # auto_map entries that would run model code
 
 
 def family_for(model_type: str) -> Family:
@@ -105,24 +117,27 @@ class SourceSpec:
     qkv_bias: bool
     o_bias: bool
     dtype: torch.dtype
-
-    @property
-    def names(self) -> TensorNames:
-        return self.family.names
+    rotary_dim: int  # d_rot: the head dims RoPE turns (the first ones; the rest pass unrotated)
+    rope_layers: tuple[bool, ...]  # per layer: whether it applies RoPE at all
+    rope_attention_factor: float = 1.0  # LongRoPE's scale on cos and sin (folded into the query)
 
     @property
     def kv_elements_per_token_per_layer(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim
 
+    def rope_frequencies(self, length: int | None = None) -> torch.Tensor:
+        """ω of the rotating pairs [d_rot/2] in a rotated layer (LongRoPE: for sequences of ``length``)."""
+        return rope.scaled_frequencies(self.rope_theta, self.rotary_dim, self.rope_scaling, length)
+
     @classmethod
     def from_config(cls, config: dict, allow_sliding_window: bool = False) -> "SourceSpec":
         """Validate ``config.json`` and normalise it; raise ``MlaconvError`` for what cannot be converted."""
-        if config.get("auto_map"):
-            raise MlaconvError("the config declares custom code (auto_map); mlaconv never runs remote code")
         model_type = config.get("model_type")
         if not model_type:
             raise MlaconvError("config.json has no model_type; is this a Hugging Face causal LM?")
         family = family_for(model_type)
+        _check_auto_map(family, config.get("auto_map"))
+        family.check_config(config)
 
         def number(key: str, default=None, kind: type = int):
             """config[key] as a positive ``kind``; a one-line error if it is missing (without default) or malformed."""
@@ -143,6 +158,7 @@ class SourceSpec:
         heads = number("num_attention_heads")
         kv_heads = number("num_key_value_heads", heads)
         head_dim = number("head_dim", hidden // heads)
+        layers = number("num_hidden_layers")
         if heads % kv_heads:
             raise MlaconvError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         if head_dim % 2:
@@ -151,17 +167,20 @@ class SourceSpec:
             raise MlaconvError(f"hidden_act {config['hidden_act']!r}: the DeepSeek-V3 MLP is SwiGLU (silu) only")
         if config.get("mlp_bias"):
             raise MlaconvError("mlp_bias is set: the DeepSeek-V3 MLP has no biases")
-        if config.get("partial_rotary_factor", 1.0) != 1.0:
-            raise MlaconvError("partial_rotary_factor != 1 (partial-rotary sources) is not supported")
         _check_sliding_window(family, config, allow_sliding_window)
+        max_positions = number("max_position_embeddings", 2048)
         rope_theta, rope_scaling = rope_settings(config)
-        qkv_bias = _bias(family.qkv_bias, config)
-        o_bias = _bias(family.o_bias, config)
+        rotary_dim = _rotary_dim(family, config, head_dim)
+        if rope_scaling and rope_scaling["rope_type"] == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(rope_scaling[key]) != rotary_dim // 2:
+                    raise MlaconvError(f"rope_scaling.{key} has {len(rope_scaling[key])} entries, the rotary dims "
+                                       f"need {rotary_dim // 2}")
         return cls(
             family=family,
             config=config,
             hidden_size=hidden,
-            num_layers=number("num_hidden_layers"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -170,32 +189,24 @@ class SourceSpec:
             rms_norm_eps=number("rms_norm_eps", 1e-6, float),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=number("max_position_embeddings", 2048),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
+            qkv_bias=_bias(family.qkv_bias, config),
+            o_bias=_bias(family.o_bias, config),
             dtype=_dtype(config),
+            rotary_dim=rotary_dim,
+            rope_layers=family.rope_layers(config, layers),
+            rope_attention_factor=rope_scaling.get("attention_factor", 1.0) if rope_scaling else 1.0,
         )
 
     def check_tensors(self, reader) -> None:
         """Check that every tensor the config implies exists with the right shape (headers only)."""
-        n = self.names
-        H, N, K, d, F, V = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
-                            self.intermediate_size, self.vocab_size)
-        expected = {n.embed: (V, H), n.final_norm: (H,)}
-        if not self.tie_word_embeddings or n.lm_head in reader:
-            expected[n.lm_head] = (V, H)
+        expected = {EMBED: (self.vocab_size, self.hidden_size), FINAL_NORM: (self.hidden_size,)}
+        if not self.tie_word_embeddings or LM_HEAD in reader:
+            expected[LM_HEAD] = (self.vocab_size, self.hidden_size)
+        layer = self.family.layer_shapes(self)
         for i in range(self.num_layers):
-            layer = {
-                n.q + ".weight": (N * d, H), n.k + ".weight": (K * d, H), n.v + ".weight": (K * d, H),
-                n.o + ".weight": (H, N * d), n.gate + ".weight": (F, H), n.up + ".weight": (F, H),
-                n.down + ".weight": (H, F), n.input_norm: (H,), n.post_attention_norm: (H,),
-            }
-            if self.qkv_bias:
-                layer.update({n.q + ".bias": (N * d,), n.k + ".bias": (K * d,), n.v + ".bias": (K * d,)})
-            if self.o_bias:
-                layer[n.o + ".bias"] = (H,)
-            expected.update({n.in_layer(i, key): shape for key, shape in layer.items()})
+            expected.update({layer_name(i, key): shape for key, shape in layer.items()})
         for name, shape in expected.items():
             if name not in reader:
                 raise MlaconvError(f"config and weights disagree: tensor {name} is missing")
@@ -203,6 +214,33 @@ class SourceSpec:
                 raise MlaconvError(
                     f"config and weights disagree: {name} has shape {list(reader.shape(name))}, expected {list(shape)}"
                 )
+
+
+def _check_auto_map(family: Family, auto_map) -> None:
+    """Refuse custom code, unless every model/config class it names is one transformers ships for this family
+    (Phi-3's published checkpoints point at the code that became transformers' own Phi3); none of it ever runs."""
+    if not auto_map:
+        return
+    named = [auto_map.get(key) for key in _CODE_KEYS if auto_map.get(key)] if isinstance(auto_map, dict) else [auto_map]
+    if not named or any(entry not in family.upstreamed_code for entry in named):
+        raise MlaconvError("the config declares custom code (auto_map); mlaconv never runs remote code")
+
+
+def _rotary_dim(family: Family, config: dict, head_dim: int) -> int:
+    params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if factor is None or factor == 1.0:
+        return head_dim
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise MlaconvError(f"config.json: partial_rotary_factor = {factor!r} is not in (0, 1]")
+    if not family.partial_rotary:
+        raise MlaconvError(f"partial_rotary_factor {factor} is set, but transformers' {family.label} rotates the "
+                           "whole head (it does not read the setting)")
+    rotary = int(head_dim * factor)
+    if rotary < 2 or rotary % 2 or (head_dim - rotary) % 2:
+        raise MlaconvError(f"partial_rotary_factor {factor} rotates {rotary} of {head_dim} head dims; mlaconv needs "
+                           "an even number of rotated and of unrotated dims")
+    return rotary
 
 
 def _bias(rule: BiasRule, config: dict) -> bool:
@@ -226,33 +264,58 @@ def _check_sliding_window(family: Family, config: dict, allow: bool) -> None:
 
 def rope_settings(config: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from either the 4.x keys or the 5.x ``rope_parameters``; rope_scaling is
-    None for plain RoPE, and only the types whose frequencies are fixed per pair are accepted."""
+    None for plain RoPE, and only the types whose frequencies are fixed per pair are accepted. LongRoPE's
+    settings are completed as transformers completes them (its original length, factor and attention factor)."""
     params = config.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params:
         theta = params["rope_theta"]
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
     else:
         theta = config.get("rope_theta")
         theta = 10000.0 if theta is None else theta
         scaling = config.get("rope_scaling") or None
         if scaling is not None and not isinstance(scaling, dict):
             raise MlaconvError(f"config.json: rope_scaling = {scaling!r} is not a mapping")
-        scaling = dict(scaling) if scaling else None
+        scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"} if scaling else None
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise MlaconvError(f"config.json: rope_theta = {theta!r} is not a positive number")
     theta = float(theta)
     if scaling is not None:
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
+        if scaling.get("rope_type") == "su":  # LongRoPE's first name
+            scaling["rope_type"] = "longrope"
         rope_type = scaling.get("rope_type", "default")
         if rope_type == "default":
             scaling = None
         elif rope_type not in _EXACT_ROPE_TYPES:
             raise MlaconvError(
                 f"rope_scaling type {rope_type!r} is not supported (its frequencies depend on the head size); "
-                "supported: none, linear, llama3"
+                "supported: none, linear, llama3, longrope"
             )
+        elif rope_type == "longrope":
+            scaling = _longrope(config, scaling)
     return theta, scaling
+
+
+def _longrope(config: dict, scaling: dict) -> dict:
+    """LongRoPE's settings, complete: per-pair short/long factors, the original length that switches between
+    them, and the attention factor transformers derives (√(1 + ln f / ln L) for f = max length / L)."""
+    for key in ("short_factor", "long_factor"):
+        value = scaling.get(key)
+        if not isinstance(value, list) or not all(isinstance(x, (int, float)) and x > 0 for x in value):
+            raise MlaconvError(f"config.json: rope_scaling.{key} must be a list of positive numbers")
+    original = config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    maximum = config.get("max_position_embeddings")
+    if not isinstance(original, int) or not isinstance(maximum, int) or original < 1:
+        raise MlaconvError("config.json: longrope needs original_max_position_embeddings and max_position_embeddings")
+    factor = scaling.get("factor") or maximum / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", "short_factor": [float(x) for x in scaling["short_factor"]],
+            "long_factor": [float(x) for x in scaling["long_factor"]], "original_max_position_embeddings": original,
+            "factor": float(factor), "attention_factor": float(attention)}
 
 
 def _dtype(config: dict) -> torch.dtype:

@@ -16,13 +16,14 @@ import torch
 
 from mlaconv.arch import SourceSpec
 from mlaconv.errors import MlaconvError
+from mlaconv.families import EMBED, SourceWeights
 from mlaconv.io.text import load_dataset_text, read_text, read_token_lines
 from mlaconv.io import CheckpointReader
 from mlaconv.models import load_tokenizer
 from mlaconv.mla.attention import LayerStats, MLAAttention, SourceAttention
-from mlaconv.mla.rope import scaled_frequencies
-from mlaconv.reference import (Heads, MLPWeights, attention_by_distance, mla_attention, mlp_block, rms_norm,
-                               rope_angles, source_attention)
+from mlaconv.mla.rope import pair_frequencies
+from mlaconv.reference import (Heads, attention_by_distance, mla_attention, mlp_block, rms_norm, rope_angles,
+                               source_attention)
 
 
 def load_calibration_tokens(source: Path, spec: SourceSpec, files: list[str], dataset: str | None,
@@ -83,17 +84,23 @@ class SourceStreamer:
         self.reader, self.spec, self.options = reader, spec, options
         self.device = torch.device(options.device)
         self.heads = Heads(spec.num_heads, spec.num_kv_heads, spec.head_dim)
-        embed = reader.get(spec.names.embed)
+        self.weights = SourceWeights(reader, spec)  # the family's tensors in Llama's canonical layout
+        embed = self.weights.tensor(None, EMBED)
         self.hidden = embed[options.tokens].to(torch.float32)  # [B, S, H] on CPU
         del embed
-        self.freqs = scaled_frequencies(spec.rope_theta, spec.head_dim, spec.rope_scaling)
-        self.angles = rope_angles(self.freqs, options.tokens.shape[1]).to(self.device)
+        length = options.tokens.shape[1]
+        self.freqs = pair_frequencies(spec.rope_frequencies(length), spec.head_dim)  # [d/2], 0 where nothing turns
+        self.rotated_angles = rope_angles(self.freqs, length).to(self.device)
+        self.still = torch.zeros_like(self.rotated_angles)  # a layer without RoPE
         self.next_layer = 0
         self._held_out: tuple[int, torch.Tensor, torch.Tensor] | None = None  # layer, inputs, source outputs
 
     @property
     def token_count(self) -> int:
         return self.options.tokens.numel()
+
+    def _angles(self, attention: SourceAttention) -> torch.Tensor:
+        return self.rotated_angles if attention.rotated else self.still
 
     def _batches(self):
         for start in range(0, self.hidden.shape[0], self.options.batch_size):
@@ -113,10 +120,12 @@ class SourceStreamer:
                 x = rms_norm(self.hidden[batch].to(self.device), weights.input_norm, self.spec.rms_norm_eps)
                 moment += x.flatten(0, 1).T.double() @ x.flatten(0, 1).double()
                 if profiled < self.options.profile_windows:
-                    by_distance += attention_by_distance(x, weights, self.heads, self.angles).double()
+                    by_distance += attention_by_distance(x, weights, self.heads, self._angles(attention)).double()
                     profiled += x.shape[0]
-        phases = torch.exp(-1j * torch.arange(S, dtype=torch.float64)[:, None] * self.freqs[None, :])  # [S, F]
+        freqs = self.freqs if attention.rotated else torch.zeros_like(self.freqs)
+        phases = torch.exp(-1j * torch.arange(S, dtype=torch.float64)[:, None] * freqs[None, :])  # [S, F]
         rotation_mean = (by_distance.cpu().to(torch.complex128) @ phases) / (profiled * S)
+        rotation_mean[:, freqs == 0] = 1  # a pair that never turns keeps its whole alignment
         return LayerStats(metric=(moment / self.token_count).cpu(), rotation_mean=rotation_mean)
 
     def attention_error(self, i: int, attention: SourceAttention, converted: MLAAttention, rank: int,
@@ -156,7 +165,7 @@ class SourceStreamer:
                 for start in range(0, held.shape[0], self.options.batch_size):
                     batch = slice(start, start + self.options.batch_size)
                     inputs[batch] = rms_norm(held[batch].to(self.device), weights.input_norm, self.spec.rms_norm_eps)
-                    outputs[batch] = source_attention(inputs[batch], weights, self.heads, self.angles)
+                    outputs[batch] = source_attention(inputs[batch], weights, self.heads, self._angles(attention))
             self._held_out = (i, inputs, outputs)
         return self._held_out[1], self._held_out[2]
 
@@ -173,31 +182,24 @@ class SourceStreamer:
         with torch.no_grad():
             x = rms_norm(self.hidden[held : held + windows].to(self.device), weights.input_norm,
                          self.spec.rms_norm_eps).float()
-            train = (x, source_attention(x, weights, self.heads, self.angles))
+            train = (x, source_attention(x, weights, self.heads, self._angles(attention)))
         return train, self._held_out_pairs(i, attention)
 
     def _on_device(self, attention: SourceAttention) -> SourceAttention:
-        return SourceAttention(**{name: t.to(self.device, torch.float32) if t is not None else None
-                                  for name, t in vars(attention).items()})
+        return attention.cast(self.device, torch.float32)
 
     def advance(self, i: int, attention: SourceAttention) -> None:
         """Move the hidden states through source layer i (attention + MLP): every layer is calibrated on
         the source model's own activations."""
-        n = self.spec.names
         self._held_out = None
         attention = self._on_device(attention)
-        mlp = MLPWeights(
-            gate=self.reader.get(n.in_layer(i, n.gate + ".weight")).to(self.device, torch.float32),
-            up=self.reader.get(n.in_layer(i, n.up + ".weight")).to(self.device, torch.float32),
-            down=self.reader.get(n.in_layer(i, n.down + ".weight")).to(self.device, torch.float32),
-            post_attention_norm=self.reader.get(n.in_layer(i, n.post_attention_norm)).to(self.device, torch.float32),
-        )
+        mlp = self.weights.mlp(i, self.device, torch.float32)
         eps = self.spec.rms_norm_eps
         with torch.no_grad():
             for batch in self._batches():
                 h = self.hidden[batch].to(self.device)
                 x = rms_norm(h, attention.input_norm, eps).to(torch.float32)
-                h = h + source_attention(x, attention, self.heads, self.angles)
+                h = h + source_attention(x, attention, self.heads, self._angles(attention))
                 h = h + mlp_block(h, mlp, eps)
                 self.hidden[batch] = h.cpu()
         self.next_layer = i + 1

@@ -23,6 +23,7 @@ from mlaconv.arch import SourceSpec
 from mlaconv.calibrate import CalibrationOptions, SourceStreamer, load_calibration_tokens
 from mlaconv.errors import MlaconvError
 from mlaconv.evaluate import TokenSource, evaluate_perplexity
+from mlaconv.families import SourceWeights
 from mlaconv.io import (CheckpointReader, ShardedWriter, atomic_output_dir, check_free_space, check_output_target,
                         read_config, resolve_source)
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
@@ -104,42 +105,50 @@ class Shapes:
 
 def plan_shapes(spec: SourceSpec, rank: int | None, kv_keep: float | None, rope_dim: int | None) -> Shapes:
     """Validate --rank / --kv-keep / --rope-dim against the source and pick (r, R)."""
-    d = spec.head_dim
-    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, d)
+    d, rotary = spec.head_dim, spec.rotary_dim
     source_elements = spec.kv_elements_per_token_per_layer
     if rope_dim is not None:
         if rope_dim < 2 or rope_dim % 2:
             raise MlaconvError(f"--rope-dim must be an even number ≥ 2, got {rope_dim}")
-        if rope_dim > d:
-            raise MlaconvError(f"--rope-dim {rope_dim} is larger than the source head_dim {d}")
+        if rope_dim > rotary:
+            raise MlaconvError(f"--rope-dim {rope_dim} is larger than the source head_dim {d}" if rotary == d else
+                               f"--rope-dim {rope_dim} is larger than the source's {rotary} rotary dims")
     if (rank is None) == (kv_keep is None):
         raise MlaconvError("give exactly one of --rank and --kv-keep (or a --recipe that sets one)")
     if kv_keep is not None:
         if not 0 < kv_keep <= 1:
             raise MlaconvError(f"--kv-keep must be in (0, 1], got {kv_keep}")
         budget = int(math.floor(kv_keep * source_elements + 1e-9))
-        R = rope_dim if rope_dim is not None else min(DEFAULT_ROPE_DIM, d, 2 * (budget // 4))
+        R = rope_dim if rope_dim is not None else min(DEFAULT_ROPE_DIM, rotary, 2 * (budget // 4))
         if R < 2 or budget - R < 1:
             raise MlaconvError(
                 f"--kv-keep {kv_keep} leaves {budget} cache elements per token and layer, too few for "
                 f"{'--rope-dim ' + str(R) + ' plus ' if rope_dim else ''}a latent (source: {source_elements})"
             )
-        r = min(budget - R, full_rank(shape, R))
+        r = min(budget - R, model_full_rank(spec, R))
         reason = (f"budget {budget} of {source_elements} elements: {R} rope dims "
                   f"({'given' if rope_dim else 'default, at most half the budget'}), latent rank {r}")
         if r < budget - R:
             reason += f" (capped at the full rank {r}; the cache is smaller than the budget)"
         return Shapes(rank=r, rope_dim=R, reason=reason)
-    R = rope_dim if rope_dim is not None else min(DEFAULT_ROPE_DIM, d)
+    R = rope_dim if rope_dim is not None else min(DEFAULT_ROPE_DIM, rotary)
     assert rank is not None
     if rank < 1:
         raise MlaconvError(f"--rank must be ≥ 1, got {rank}")
-    if rank > full_rank(shape, R):
+    if rank > model_full_rank(spec, R):
+        rope_part = f" − {R} rope dims" if all(spec.rope_layers) else ", in its layers without RoPE"
         raise MlaconvError(
-            f"--rank {rank} is larger than the matrix allows: at most {full_rank(shape, R)} for this model "
-            f"(min of hidden {spec.hidden_size} and 2·{spec.num_kv_heads}·{d} − {R} rope dims)"
+            f"--rank {rank} is larger than the matrix allows: at most {model_full_rank(spec, R)} for this model "
+            f"(min of hidden {spec.hidden_size} and 2·{spec.num_kv_heads}·{d}{rope_part})"
         )
     return Shapes(rank=rank, rope_dim=R, reason="rank given")
+
+
+def model_full_rank(spec: SourceSpec, rope_dim: int) -> int:
+    """The largest useful latent rank over the layers: a layer without RoPE keeps its whole key in the latent,
+    so its full rank does not lose the R rope dims (the rotated layers' latents are then zero-padded)."""
+    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    return full_rank(shape, rope_dim if all(spec.rope_layers) else 0)
 
 
 def shape_candidates(spec: SourceSpec, kv_keep: float) -> list[Shapes]:
@@ -149,13 +158,12 @@ def shape_candidates(spec: SourceSpec, kv_keep: float) -> list[Shapes]:
     multiple of 16 (tile-aligned for MLA kernels) once it is 64 or more, and capped at the full rank.
     """
     budget = int(math.floor(kv_keep * spec.kv_elements_per_token_per_layer + 1e-9))
-    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     default = plan_shapes(spec, None, kv_keep, None)
     candidates = {default.rope_dim: default}
     for R in (8, 16, 32, 64, 128):
-        if R <= min(spec.head_dim, budget // 2) and R not in candidates:
+        if R <= min(spec.rotary_dim, budget // 2) and R not in candidates:
             r = budget - R
-            r = min(r - r % 16 if r >= 64 else r, full_rank(shape, R))
+            r = min(r - r % 16 if r >= 64 else r, model_full_rank(spec, R))
             candidates[R] = Shapes(rank=r, rope_dim=R, reason="")
     return [candidates[R] for R in sorted(candidates)]
 
@@ -185,22 +193,8 @@ def load_source(source: str, revision: str | None = None,
 
 
 def read_attention(reader: CheckpointReader, spec: SourceSpec, i: int) -> SourceAttention:
-    n = spec.names
-
-    def get(name: str, optional: bool = False) -> torch.Tensor | None:
-        full = n.in_layer(i, name)
-        if optional and full not in reader:
-            return None
-        return reader.get(full)  # the reader refuses NaN and Inf
-
-    return SourceAttention(
-        q=get(n.q + ".weight"), k=get(n.k + ".weight"), v=get(n.v + ".weight"), o=get(n.o + ".weight"),
-        input_norm=get(n.input_norm),
-        q_bias=get(n.q + ".bias", optional=True) if spec.qkv_bias else None,
-        k_bias=get(n.k + ".bias", optional=True) if spec.qkv_bias else None,
-        v_bias=get(n.v + ".bias", optional=True) if spec.qkv_bias else None,
-        o_bias=get(n.o + ".bias", optional=True) if spec.o_bias else None,
-    )
+    """Layer i's attention in Llama's canonical layout, whatever the family (``SourceWeights``)."""
+    return SourceWeights(reader, spec).attention(i)
 
 
 def residual_scale(spec: SourceSpec) -> float:
@@ -211,7 +205,7 @@ def residual_scale(spec: SourceSpec) -> float:
 def layer_options(spec: SourceSpec, shapes: Shapes, options: ConvertOptions) -> LayerOptions:
     return LayerOptions(
         rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling,
-        rope_stride=options.rope_stride, context=min(spec.max_position_embeddings, 4096),
+        rope_stride=options.rope_stride, rotary_dim=spec.rotary_dim, context=min(spec.max_position_embeddings, 4096),
         residual_scale=residual_scale(spec), delta=options.delta,
     )
 
@@ -242,10 +236,14 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
     shapes = plan_shapes(spec, options.rank, options.kv_keep, options.rope_dim)
     searched = options.calibrated and options.kv_keep is not None and options.rope_dim is None  # see search_shapes
     if (options.rope_stride is not None and not searched
-            and options.rope_stride not in rope.strides(spec.head_dim, shapes.rope_dim)):
+            and options.rope_stride not in rope.strides(spec.rotary_dim, shapes.rope_dim)):
         raise MlaconvError(f"--rope-stride {options.rope_stride} does not fit {shapes.rope_dim} rope dims in "
-                           f"head_dim {spec.head_dim}")
+                           f"{'head_dim' if spec.rotary_dim == spec.head_dim else 'the rotary dims'} {spec.rotary_dim}")
     check_device(options.device)
+    if options.absorbed and spec.rope_scaling and spec.rope_scaling["rope_type"] == "longrope":
+        from mlaconv.absorb import LONGROPE_REFUSAL
+
+        raise MlaconvError(f"--absorbed is refused for this model: {LONGROPE_REFUSAL}")
     if options.calib_tokens < 1:
         raise MlaconvError(f"--calib-tokens must be positive, got {options.calib_tokens}")
     if options.refine_steps is not None and options.refine_steps < 0:
@@ -285,7 +283,7 @@ def search_shapes(plan: Plan, options: ConvertOptions, progress: Progress = no_p
     total wins. Returns the plan with those shapes and the table behind the choice.
     """
     candidates = [c for c in shape_candidates(plan.spec, options.kv_keep)
-                  if options.rope_stride is None or options.rope_stride in rope.strides(plan.spec.head_dim, c.rope_dim)]
+                  if options.rope_stride is None or options.rope_stride in rope.strides(plan.spec.rotary_dim, c.rope_dim)]
     if not candidates:
         raise MlaconvError(f"--rope-stride {options.rope_stride} fits none of the rope dims this budget allows")
     if len(candidates) == 1 and candidates[0] == plan.shapes:
@@ -296,7 +294,7 @@ def search_shapes(plan: Plan, options: ConvertOptions, progress: Progress = no_p
     layers = {c: replace(plan.layer, rank=c.rank, rope_dim=c.rope_dim, rope_stride=strides[c.rope_dim])
               for c in candidates}
     streamer = calibration_streamer(plan, options, windows=SEARCH_WINDOWS)
-    freqs = rope.scaled_frequencies(spec.rope_theta, spec.head_dim, spec.rope_scaling)
+    freqs = spec.rope_frequencies(streamer.options.tokens.shape[1])  # LongRoPE: as at the calibration length
     errors = {c: 0.0 for c in candidates}
     for i in progress(range(spec.num_layers), "choosing r and R", spec.num_layers):
         src = read_attention(plan.reader, spec, i)
@@ -354,9 +352,11 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         writer.finish()
         reader.close()
 
+        kept = rope.kept_frequencies(shapes.rope_dim, lopts.rope_stride)
         config = deepseek.build_config(spec, rank=shapes.rank, rope_dim=shapes.rope_dim,
-                                       rope_theta=rope.target_rope_theta(spec.rope_theta, spec.head_dim,
+                                       rope_theta=rope.target_rope_theta(spec.rope_theta, spec.rotary_dim,
                                                                          shapes.rope_dim, lopts.rope_stride),
+                                       rope_scaling=rope.target_rope_scaling(spec.rope_scaling, kept),
                                        attention_bias=attention_bias, dtype_name=str(dtype).replace("torch.", ""))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copied = _copy_tokenizer(folder, tmp)
@@ -518,7 +518,7 @@ def best_calibrated_layer(i: int, src: SourceAttention, plan: Plan, streamer: So
     refine it by gradient steps on other calibration windows and keep that only if it measures better."""
     stats = streamer.stats(i, src)
     spec, layer = plan.spec, plan.layer
-    freqs = rope.scaled_frequencies(spec.rope_theta, spec.head_dim, spec.rope_scaling)
+    freqs = spec.rope_frequencies(streamer.options.tokens.shape[1])  # LongRoPE: as at the calibration length
     slots = freqs[rope.kept_frequencies(layer.rope_dim, layer.rope_stride)]
 
     def measured(latent):
@@ -552,14 +552,15 @@ def rope_strides(reader: CheckpointReader, spec: SourceSpec, shape: AttentionSha
     One pass reads each layer's key projection and input norm only; for each R the stride with the
     highest mean cost-weighted kept energy wins.
     """
-    pending = [R for R in rope_dims if len(rope.strides(spec.head_dim, R)) > 1]
-    chosen = {R: rope.strides(spec.head_dim, R)[0] for R in rope_dims if R not in pending}
+    pending = [R for R in rope_dims if len(rope.strides(spec.rotary_dim, R)) > 1]
+    chosen = {R: rope.strides(spec.rotary_dim, R)[0] for R in rope_dims if R not in pending}
     if pending:
-        n = spec.names
+        weights = SourceWeights(reader, spec)
         scores: dict[int, list[dict[int, float]]] = {R: [] for R in pending}
         for i in progress(range(spec.num_layers), "choosing rope frequencies", spec.num_layers):
-            energies = key_energies(reader.get(n.in_layer(i, n.k + ".weight")), reader.get(n.in_layer(i, n.input_norm)),
-                                    shape, layer)
+            if not spec.rope_layers[i]:
+                continue  # a layer without RoPE has no rotated energy to keep
+            energies = key_energies(*weights.key(i), shape, layer)
             for R in pending:
                 scores[R].append(rope.stride_scores(energies, R))
         chosen.update({R: rope.best_stride(scores[R]) for R in pending})
@@ -568,23 +569,19 @@ def rope_strides(reader: CheckpointReader, spec: SourceSpec, shape: AttentionSha
 
 def write_outer_tensors(writer: ShardedWriter, reader: CheckpointReader, spec: SourceSpec, alpha: float,
                         dtype: torch.dtype) -> None:
-    """The head, the embedding (scaled by the residual rescale α) and the final norm, one at a time."""
-    n = spec.names
-    if n.lm_head in reader:
-        writer.add(deepseek.LM_HEAD, reader.get(n.lm_head).to(dtype))
-    embed = reader.get(n.embed)
-    if n.lm_head not in reader:  # tied: the head is the embedding before it is scaled in place
-        writer.add(deepseek.LM_HEAD, embed.to(dtype))
-    writer.add(deepseek.EMBED, _scaled(embed, alpha, dtype))
-    del embed
-    writer.add(deepseek.FINAL_NORM, reader.get(n.final_norm).to(dtype))
+    """The head, the embedding (scaled by the residual rescale α) and the final norm, one at a time, each
+    with what its family folds into it (``SourceWeights``)."""
+    weights = SourceWeights(reader, spec)
+    writer.add(deepseek.LM_HEAD, weights.tensor(None, deepseek.LM_HEAD).to(dtype))
+    writer.add(deepseek.EMBED, _scaled(weights.tensor(None, deepseek.EMBED), alpha, dtype))
+    writer.add(deepseek.FINAL_NORM, weights.tensor(None, deepseek.FINAL_NORM).to(dtype))
 
 
 def write_layer(writer: ShardedWriter, reader: CheckpointReader, spec: SourceSpec, i: int, mla: MLAAttention,
                 alpha: float, dtype: torch.dtype) -> None:
     """Layer i of the output: the converted attention ``mla``, then the source MLP (down_proj scaled by α)
     and norms, read and written one tensor at a time. Biases go in whenever the source has any."""
-    n, p = spec.names, deepseek.layer_prefix(i)
+    weights, p = SourceWeights(reader, spec), deepseek.layer_prefix(i)
     writer.add(p + deepseek.Q_PROJ, mla.q_proj.to(dtype))
     writer.add(p + deepseek.KV_A_PROJ, mla.kv_a_proj.to(dtype))
     writer.add(p + deepseek.KV_A_NORM, mla.kv_a_norm.to(dtype))
@@ -595,11 +592,12 @@ def write_layer(writer: ShardedWriter, reader: CheckpointReader, spec: SourceSpe
         o_bias = mla.o_bias if mla.o_bias is not None else torch.zeros(spec.hidden_size)
         writer.add(p + deepseek.KV_A_BIAS, kv_a_bias.to(dtype))
         writer.add(p + deepseek.O_BIAS, o_bias.to(dtype))
-    for name in (n.gate, n.up):
-        writer.add(p + name + ".weight", reader.get(n.in_layer(i, name + ".weight")).to(dtype))
-    writer.add(p + n.down + ".weight", _scaled(reader.get(n.in_layer(i, n.down + ".weight")), alpha, dtype))
-    for name in (n.input_norm, n.post_attention_norm):
-        writer.add(p + name, reader.get(n.in_layer(i, name)).to(dtype))
+    for name in (deepseek.GATE_PROJ, deepseek.UP_PROJ):
+        writer.add(p + name, weights.tensor(i, name).to(dtype))
+    weights.release()
+    writer.add(p + deepseek.DOWN_PROJ, _scaled(weights.tensor(i, deepseek.DOWN_PROJ), alpha, dtype))
+    for name in (deepseek.INPUT_NORM, deepseek.POST_ATTENTION_NORM):
+        writer.add(p + name, weights.tensor(i, name).to(dtype))
 
 
 def _scaled(matrix: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
@@ -652,7 +650,8 @@ def _report(spec: SourceSpec, shapes: Shapes, config: dict, reports: list[LayerR
         "settings": {k: v for k, v in asdict(options).items() if k not in ("extra_report", "force")},
         "architecture": spec.family.label,
         "source_shape": {"layers": spec.num_layers, "hidden": spec.hidden_size, "heads": spec.num_heads,
-                         "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
+                         "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "rotary_dim": spec.rotary_dim,
+                         "layers_without_rope": [i for i, rotated in enumerate(spec.rope_layers) if not rotated]},
         "recipe": options.recipe,
         "mode": "weights-only",
         "dtype": str(dtype).replace("torch.", ""),

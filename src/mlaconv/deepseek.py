@@ -23,6 +23,11 @@ O_BIAS = ATTENTION + "o_proj.bias"
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
+GATE_PROJ = "mlp.gate_proj.weight"
+UP_PROJ = "mlp.up_proj.weight"
+DOWN_PROJ = "mlp.down_proj.weight"
+INPUT_NORM = "input_layernorm.weight"
+POST_ATTENTION_NORM = "post_attention_layernorm.weight"
 N_ROUTED_EXPERTS = 8  # unused (every layer dense) but must be an int; 256 would trigger SGLang's MoE heuristics
 
 
@@ -30,9 +35,10 @@ def layer_prefix(i: int) -> str:
     return f"model.layers.{i}."
 
 
-def build_config(spec: SourceSpec, *, rank: int, rope_dim: int, rope_theta: float, attention_bias: bool,
-                 dtype_name: str) -> dict:
-    """config.json of the converted model (dense DeepSeek-V3, full-rank q, interleaved RoPE)."""
+def build_config(spec: SourceSpec, *, rank: int, rope_dim: int, rope_theta: float, rope_scaling: dict | None,
+                 attention_bias: bool, dtype_name: str) -> dict:
+    """config.json of the converted model (dense DeepSeek-V3, full-rank q, interleaved RoPE); ``rope_scaling``
+    is the source's as the kept frequencies need it (``rope.target_rope_scaling``)."""
     src = spec.config
     config = {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -63,7 +69,7 @@ def build_config(spec: SourceSpec, *, rank: int, rope_dim: int, rope_theta: floa
         "max_position_embeddings": spec.max_position_embeddings,
         "rms_norm_eps": LATENT_NORM_EPS,
         "rope_theta": rope_theta,
-        "rope_scaling": dict(spec.rope_scaling) if spec.rope_scaling else None,
+        "rope_scaling": rope_scaling,
         "rope_interleave": True,
         "attention_bias": attention_bias,
         "attention_dropout": 0.0,

@@ -120,9 +120,9 @@ def check_recipe(recipe: Recipe, spec: SourceSpec) -> Shapes:
     except MlaconvError as exc:
         raise MlaconvError(f"{prefix}: {exc}") from None
     stride = o.get("rope_stride")
-    if stride is not None and stride not in rope.strides(spec.head_dim, shapes.rope_dim):
+    if stride is not None and stride not in rope.strides(spec.rotary_dim, shapes.rope_dim):
         raise MlaconvError(f"{prefix}: rope_stride {stride} does not fit {shapes.rope_dim} rope dims in "
-                           f"head_dim {spec.head_dim}")
+                           f"{'head_dim' if spec.rotary_dim == spec.head_dim else 'the rotary dims'} {spec.rotary_dim}")
     if recipe.kv_cache:
         computed = kv_cache_figures(spec, shapes, dtype)
         for group, fields in recipe.kv_cache.items():

@@ -23,9 +23,9 @@ import torch
 
 from mlaconv import __version__
 from mlaconv.convert import (ConvertOptions, Shapes, calibrated_layer_options, calibration_streamer,
-                             plan_conversion, read_attention, with_rope_stride)
+                             model_full_rank, plan_conversion, read_attention, with_rope_stride)
 from mlaconv.errors import MlaconvError
-from mlaconv.mla.attention import LayerAnalysis, LayerStats, SourceAttention, analyse_layer, full_rank
+from mlaconv.mla.attention import LayerAnalysis, LayerStats, SourceAttention, analyse_layer
 from mlaconv.progress import Progress, no_progress
 
 DEFAULT_ENERGY_TARGETS = (0.9, 0.95, 0.99)
@@ -97,7 +97,7 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
     try:
         recommended = plan.shapes if options.kv_keep is not None else None
         shapes = plan.shapes
-        full = full_rank(plan.shape, shapes.rope_dim)
+        full = model_full_rank(spec, shapes.rope_dim)
         ranks = _ranks(options.ranks, full, recommended)
         streamer = calibration_streamer(plan, settings)
         plan = with_rope_stride(plan, progress)

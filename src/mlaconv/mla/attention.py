@@ -56,6 +56,12 @@ class SourceAttention:
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    rotated: bool = True  # False: the layer applies no RoPE at all (SmolLM3's NoPE layers)
+
+    def cast(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "SourceAttention":
+        """The same layer with every tensor moved to ``device`` and/or ``dtype``."""
+        return replace(self, **{name: t.to(device=device, dtype=dtype) for name, t in vars(self).items()
+                                if isinstance(t, torch.Tensor)})
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class LayerOptions:
     rope_theta: float
     rope_scaling: dict | None = None
     rope_stride: int | None = None  # None: chosen from the energies
+    rotary_dim: int | None = None  # d_rot: head dims RoPE turns (None: all); the rest are pairs of frequency 0
     context: int = 4096  # window of the data-free attention profile
     query_weighted_rope: bool = False  # weight each KV head's key energy by the query energy it serves
     latent_weighting: str = "balanced"  # "balanced": K and V blocks at equal energy; "attention": keys
@@ -112,10 +119,25 @@ class LayerStats:
     rotation_mean: torch.Tensor  # μ [N, F] complex128
 
 
-def weights_only_stats(gamma: torch.Tensor, shape: AttentionShape, options: LayerOptions) -> LayerStats:
+def layer_frequencies(shape: AttentionShape, options: LayerOptions, rotated: bool = True) -> torch.Tensor:
+    """ω per rotate-half pair of a source layer [d/2]: the rotary dims' frequencies, then 0 for the pairs RoPE
+    leaves alone (all of them when the layer is not ``rotated``)."""
+    rotary = options.rotary_dim or shape.head_dim
+    freqs = rope.scaled_frequencies(options.rope_theta, rotary, options.rope_scaling)
+    return rope.pair_frequencies(freqs if rotated else torch.zeros_like(freqs), shape.head_dim)
+
+
+def rotating_pairs(shape: AttentionShape, options: LayerOptions) -> int:
+    """F_rot: how many rotate-half pairs RoPE turns (the first ones); the shared key's slots come from these."""
+    return (options.rotary_dim or shape.head_dim) // 2
+
+
+def weights_only_stats(gamma: torch.Tensor, shape: AttentionShape, options: LayerOptions,
+                       rotated: bool = True) -> LayerStats:
     """Statistics without data: ĥ isotropic (E[x xᵀ] = diag γ², kept as its diagonal) and the prior attention profile."""
-    freqs = rope.scaled_frequencies(options.rope_theta, shape.head_dim, options.rope_scaling)
+    freqs = layer_frequencies(shape, options, rotated)
     mean = rope.prior_rotation_mean(freqs, options.context)
+    mean[freqs == 0] = 1  # a pair that never turns keeps its whole alignment
     return LayerStats(metric=gamma.to(torch.float64) ** 2, rotation_mean=mean[None, :].expand(shape.heads, -1))
 
 
@@ -153,29 +175,37 @@ def key_mix(k: torch.Tensor, q: torch.Tensor | None, shape: AttentionShape, stat
 
 
 def key_energies(k: torch.Tensor, gamma: torch.Tensor, shape: AttentionShape, options: LayerOptions) -> torch.Tensor:
-    """[F, n_kv] weights-only energies of the per-frequency head mix (what the rope stride is chosen from).
+    """[F_rot, n_kv] weights-only energies of the per-frequency head mix (what the rope stride is chosen from).
 
     Without data and without query weighting the mix depends on the keys and γ alone, not on R.
     """
     stats = weights_only_stats(gamma, shape, options)
     unweighted = replace(options, query_weighted_rope=False)
-    return key_mix(k.to(torch.float64), None, shape, stats, unweighted)[1].energies
+    return key_mix(k.to(torch.float64), None, shape, stats, unweighted)[1].energies[: rotating_pairs(shape, options)]
 
 
 def decompose_keys(k: torch.Tensor, q: torch.Tensor, shape: AttentionShape, stats: LayerStats,
-                   options: LayerOptions):
-    """Split the keys into the shared rotated component and per-head remainders (step 1)."""
+                   options: LayerOptions, rotated: bool = True):
+    """Split the keys into the shared rotated component and per-head remainders (step 1).
+
+    Slots only take rotating pairs (the first F_rot); a layer that is not ``rotated`` keeps no shared
+    component (its rope rows are zero) and every key goes whole into the remainders. ``plain_kept`` is
+    the fraction of the rotating pairs' key energy that stays rotated (1 when nothing rotates).
+    """
     zk, mix = key_mix(k, q, shape, stats, options)
+    if not rotated:
+        mix = rope.HeadMix(a=torch.zeros_like(mix.a), b=torch.zeros_like(mix.b), energies=torch.zeros_like(mix.energies))
+    rotating = rotating_pairs(shape, options)
     stride = options.rope_stride
     if stride is None:
-        stride = rope.best_stride([rope.stride_scores(mix.energies, options.rope_dim)])
-    choice = rope.choose_frequencies(mix.energies, options.rope_dim, stride)
+        stride = rope.best_stride([rope.stride_scores(mix.energies[:rotating], options.rope_dim)])
+    choice = rope.choose_frequencies(mix.energies[:rotating], options.rope_dim, stride)
     kept = choice.frequencies
     shared = torch.einsum("sg,sgh->sh", mix.b[kept], zk[kept])  # κ per slot [R/2, H]
     remainder = zk.clone()
     remainder[kept] -= mix.a[kept][:, :, None] * shared[:, None, :]
-    total = metric_math.total_energy(zk, stats.metric)
-    plain_kept = 1 - metric_math.total_energy(remainder, stats.metric) / max(total, 1e-300)
+    total = metric_math.total_energy(zk[:rotating], stats.metric) if rotated else 0.0
+    plain_kept = 1 - metric_math.total_energy(remainder[:rotating], stats.metric) / total if total > 0 else 1.0
     return mix, choice, plain_kept, shared, rope.real_rows(remainder)
 
 
@@ -248,16 +278,12 @@ class LayerAnalysis:
 def analyse_layer(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
                   stats: LayerStats | None = None) -> LayerAnalysis:
     """RoPE split and the latent's spectrum for one layer (float64 copies of ``src`` are used)."""
-    src = _as_float64(src)
-    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options)
-    mix, choice, plain_kept, shared, k_nope = decompose_keys(src.k, src.q, shape, stats, options)
+    src = src.cast(dtype=torch.float64)
+    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)
+    mix, choice, plain_kept, shared, k_nope = decompose_keys(src.k, src.q, shape, stats, options, src.rotated)
     target, row_weight = latent_target(k_nope, src.v, stats, options, nope_query(src.q, shape, stats), src.o, shape)
     spec = latent_math.spectrum(latent_math.weigh(row_weight, target), stats.metric)
     return LayerAnalysis(mix, choice, plain_kept, shared, k_nope, target, row_weight, spec)
-
-
-def _as_float64(src: SourceAttention) -> SourceAttention:
-    return SourceAttention(**{name: (t.to(torch.float64) if t is not None else None) for name, t in vars(src).items()})
 
 
 @dataclass
@@ -287,8 +313,8 @@ class LatentAttention:
 def factor_attention(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
                      stats: LayerStats | None = None) -> tuple[LatentAttention, LayerReport]:
     """Steps 1–4 of the conversion: the compact linear MLA layer and what it kept (float64)."""
-    src = _as_float64(src)
-    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options)
+    src = src.cast(dtype=torch.float64)
+    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)
     N, G, d, R, r = shape.heads, shape.kv_heads, shape.head_dim, options.rope_dim, options.rank
     group_of_head = torch.arange(N) // shape.group
 
@@ -366,7 +392,7 @@ def assemble(latent: LatentAttention, shape: AttentionShape, options: LayerOptio
 def convert_attention(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
                       stats: LayerStats | None = None) -> tuple[MLAAttention, LayerReport]:
     """Convert one layer (steps 1–5); all inputs are cast to float64 first."""
-    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options)
+    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)
     latent, report = factor_attention(src, shape, options, stats)
     mla, report.latent_bound = assemble(latent, shape, options, src.input_norm, stats.metric)
     return mla, report

@@ -164,12 +164,19 @@ def interleave(z: torch.Tensor) -> torch.Tensor:
 
 
 
-def scaled_frequencies(theta: float, head_dim: int, rope_scaling: dict | None) -> torch.Tensor:
-    """The source's actual ω_j after ``rope_scaling`` (linear or llama3; both act per frequency)."""
+def scaled_frequencies(theta: float, head_dim: int, rope_scaling: dict | None, length: int | None = None) -> torch.Tensor:
+    """The source's actual ω_j after ``rope_scaling`` (linear, llama3 or longrope; all act per frequency).
+
+    ``head_dim`` is the rotary dimension. LongRoPE divides each ω_j by its own factor: the short factors,
+    or the long ones for sequences longer than ``original_max_position_embeddings`` (``length``).
+    """
     freqs = source_frequencies(theta, head_dim)
     kind = (rope_scaling or {}).get("rope_type", "default")
     if kind == "linear":
         return freqs / float(rope_scaling["factor"])
+    if kind == "longrope":
+        long = length is not None and length > rope_scaling["original_max_position_embeddings"]
+        return freqs / torch.tensor(rope_scaling["long_factor" if long else "short_factor"], dtype=torch.float64)
     if kind == "llama3":
         factor = float(rope_scaling["factor"])
         low, high = float(rope_scaling["low_freq_factor"]), float(rope_scaling["high_freq_factor"])
@@ -180,6 +187,24 @@ def scaled_frequencies(theta: float, head_dim: int, rope_scaling: dict | None) -
         return torch.where(wavelength > original / low, freqs / factor,
                            torch.where(wavelength < original / high, freqs, blended))
     return freqs
+
+
+def pair_frequencies(rotating: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """ω per rotate-half pair of a whole head [d/2]: the rotating pairs' ω, then 0 for the pairs that pass."""
+    return torch.cat([rotating.to(torch.float64), torch.zeros(head_dim // 2 - rotating.shape[0], dtype=torch.float64)])
+
+
+def target_rope_scaling(rope_scaling: dict | None, kept: torch.Tensor) -> dict | None:
+    """The DeepSeek ``rope_scaling`` that reproduces the kept source frequencies on its R/2 slots.
+
+    linear and llama3 act on ω alone and carry over unchanged; LongRoPE's per-pair factors are taken at the
+    kept pairs, and its attention factor is 1 (the source's is folded into the query, rotated dims only).
+    """
+    if not rope_scaling or rope_scaling.get("rope_type") != "longrope":
+        return dict(rope_scaling) if rope_scaling else None
+    picked = kept.tolist()
+    return {**rope_scaling, "short_factor": [rope_scaling["short_factor"][j] for j in picked],
+            "long_factor": [rope_scaling["long_factor"][j] for j in picked], "attention_factor": 1.0}
 
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Both write a checkpoint with exactly mlaconv's serving shapes and plumbing: the same (r, R) from
 ``plan_shapes``, full-rank ``q_proj`` with the softmax-scale fix √((d+R)/d), the shared RoPE key on a
 strided frequency grid in interleaved pairs (``rope.interleave``, ``target_rope_theta``), the
-tiny-latent ``kv_a_layernorm`` (``tiny_latent``), the residual-stream ε rescale, the same bias folds,
+tiny-latent ``kv_a_layernorm`` (``tiny_latent``, its smallness split with the input norm by ``scale_input``),
+the residual-stream ε rescale, the same bias folds,
 ``build_config`` and ``ShardedWriter``. Only the factorization differs:
 
 ``joint-svd`` — MHA2MLA's initialisation made expressible in the DeepSeek layout (weights only).
@@ -57,7 +58,7 @@ from mlaconv.convert import (TOKENIZER_FILES, Shapes, load_source, plan_shapes, 
                              write_layer, write_outer_tensors)
 from mlaconv.io import CheckpointReader, ShardedWriter, atomic_output_dir
 from mlaconv.mla import rope
-from mlaconv.mla.attention import AttentionShape, MLAAttention, SourceAttention
+from mlaconv.mla.attention import AttentionShape, MLAAttention, SourceAttention, scale_input
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
 from mlaconv.models import load_causal_lm
 
@@ -115,10 +116,11 @@ def assemble(src: SourceAttention, shape: AttentionShape, f: Factorization, resi
         kv_a_norm=torch.full((r,), tiny.norm_weight, dtype=torch.float64),
         kv_b_proj=kv_b * tiny.up_scale,
         o_proj=src.o.double() * residual_scale,
+        input_norm=gamma,
         kv_a_bias=kv_a_bias,
         o_bias=o_bias,
     )
-    return mla, dropped
+    return scale_input(mla, r, gamma**2), dropped
 
 
 def write_checkpoint(out: Path, folder: Path, spec: SourceSpec, reader: CheckpointReader, shapes: Shapes,

@@ -133,12 +133,15 @@ class SourceStreamer:
         """‖MLA(x)/α − source(x)‖² / ‖source(x)‖² of layer i's attention output on the held-out windows
         (the first ``profile_windows``, which refinement never trains on).
 
-        α is the residual rescale folded into the converted o_proj.
+        α is the residual rescale folded into the converted o_proj. The converted layer reads its own
+        input γ'⊙ĥ (its input norm γ' is a per-channel multiple of the source's γ, zero where γ is).
         """
         if i != self.next_layer:
             raise RuntimeError(f"calibration is at layer {self.next_layer}, asked for layer {i}")
         mla = MLAAttention(**{name: t.to(self.device, torch.float32) if t is not None else None
                               for name, t in vars(converted).items()})
+        gamma = attention.input_norm.to(self.device, torch.float32)
+        input_ratio = torch.where(gamma != 0, mla.input_norm / gamma, torch.zeros_like(gamma))
         angles = rope_angles(slot_frequencies, self.options.tokens.shape[1]).to(self.device)
         error = total = 0.0
         inputs, outputs = self._held_out_pairs(i, attention)
@@ -146,7 +149,7 @@ class SourceStreamer:
             for start in range(0, inputs.shape[0], self.options.batch_size):
                 batch = slice(start, start + self.options.batch_size)
                 x, reference = inputs[batch], outputs[batch]
-                approx = mla_attention(x, mla, self.heads, rank, rope_dim, angles) / residual_scale
+                approx = mla_attention(x * input_ratio, mla, self.heads, rank, rope_dim, angles) / residual_scale
                 error += (approx - reference).double().pow(2).sum().item()
                 total += reference.double().pow(2).sum().item()
         return error / total if total > 0 else 0.0

@@ -579,9 +579,11 @@ def write_outer_tensors(writer: ShardedWriter, reader: CheckpointReader, spec: S
 
 def write_layer(writer: ShardedWriter, reader: CheckpointReader, spec: SourceSpec, i: int, mla: MLAAttention,
                 alpha: float, dtype: torch.dtype) -> None:
-    """Layer i of the output: the converted attention ``mla``, then the source MLP (down_proj scaled by α)
-    and norms, read and written one tensor at a time. Biases go in whenever the source has any."""
+    """Layer i of the output: the converted attention ``mla`` and its input norm, then the source MLP
+    (down_proj scaled by α) and post-attention norm, read and written one tensor at a time. Biases go in
+    whenever the source has any."""
     weights, p = SourceWeights(reader, spec), deepseek.layer_prefix(i)
+    writer.add(p + deepseek.INPUT_NORM, mla.input_norm.to(dtype))
     writer.add(p + deepseek.Q_PROJ, mla.q_proj.to(dtype))
     writer.add(p + deepseek.KV_A_PROJ, mla.kv_a_proj.to(dtype))
     writer.add(p + deepseek.KV_A_NORM, mla.kv_a_norm.to(dtype))
@@ -596,8 +598,7 @@ def write_layer(writer: ShardedWriter, reader: CheckpointReader, spec: SourceSpe
         writer.add(p + name, weights.tensor(i, name).to(dtype))
     weights.release()
     writer.add(p + deepseek.DOWN_PROJ, _scaled(weights.tensor(i, deepseek.DOWN_PROJ), alpha, dtype))
-    for name in (deepseek.INPUT_NORM, deepseek.POST_ATTENTION_NORM):
-        writer.add(p + name, weights.tensor(i, name).to(dtype))
+    writer.add(p + deepseek.POST_ATTENTION_NORM, weights.tensor(i, deepseek.POST_ATTENTION_NORM).to(dtype))
 
 
 def _scaled(matrix: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:

@@ -62,7 +62,10 @@ def source_attention(x: torch.Tensor, w: SourceAttention, heads: Heads, angles: 
 
 def mla_attention(x: torch.Tensor, w: MLAAttention, heads: Heads, rank: int, rope_dim: int,
                   angles: torch.Tensor, latent_eps: float = 1e-6) -> torch.Tensor:
-    """DeepSeek-V3 attention (q_lora_rank null, interleaved RoPE) on x [B, S, H] → [B, S, H]."""
+    """DeepSeek-V3 attention (q_lora_rank null, interleaved RoPE) on x [B, S, H] → [B, S, H].
+
+    x is this layer's own attention input: the hidden state after the converted input norm ``w.input_norm``
+    (not the source's γ; see ``mlaconv.mla.latent_norm``)."""
     B, S, _ = x.shape
     N, d, R = heads.heads, heads.head_dim, rope_dim
     q = _linear(x, w.q_proj).view(B, S, N, d + R).transpose(1, 2)

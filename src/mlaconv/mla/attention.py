@@ -4,8 +4,9 @@ Source (Llama layout): N query heads and n_kv KV heads of size d, hidden H, rota
 Target (DeepSeek-V3, ``q_lora_rank = null``): P = V = d NoPE/value dims per head, R shared RoPE
 dims, latent rank r:
 
-    q_proj              [N·(d+R), H]   per head: d NoPE rows (the source query), R rope rows
-    kv_a_proj_with_mqa  [r+R, H]       β·A (latent), then the shared rope key κ (interleaved pairs)
+    input_layernorm     [H]            s·γ: the attention input is scaled by a power of two s ≤ 1
+    q_proj              [N·(d+R), H]   per head: d NoPE rows (the source query), R rope rows; all ÷ s
+    kv_a_proj_with_mqa  [r+R, H]       β·A (latent), then the shared rope key κ (interleaved pairs); all ÷ s
     kv_a_layernorm      [r]            constant ρ: with the tiny latent the norm is linear
     kv_b_proj           [N·2d, r]      per head: d key rows, then d value rows (GQA groups expanded)
     o_proj              [H, N·d]
@@ -14,7 +15,8 @@ Steps: (1) mix KV heads per frequency into one rotated component (``rope.head_mi
 the frequencies that fill the R/2 slots; (2) the rest of every key (its remainder) loses rotation
 and, stacked with V, is factored into one rank-r latent (``latent.factor``); (3) the query is
 re-expressed for that key layout, with the softmax-scale change (d+R)^-½ vs d^-½ folded in;
-(4) biases are folded where that is exact, and everything else is recorded.
+(4) biases are folded where that is exact, and everything else is recorded; (5) the stock tensors, with
+the latent's smallness split between kv_a's weights and the attention input (``latent_norm``).
 All math runs in float64; the caller casts the result.
 """
 
@@ -28,7 +30,7 @@ import torch
 from mlaconv.mla import latent as latent_math
 from mlaconv.mla import metric as metric_math
 from mlaconv.mla import rope
-from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
+from mlaconv.mla.latent_norm import DEFAULT_DELTA, input_scale, tiny_latent
 
 
 @dataclass(frozen=True)
@@ -82,13 +84,16 @@ class LayerOptions:
 
 @dataclass
 class MLAAttention:
-    q_proj: torch.Tensor
-    kv_a_proj: torch.Tensor
-    kv_a_norm: torch.Tensor
-    kv_b_proj: torch.Tensor
-    o_proj: torch.Tensor
-    kv_a_bias: torch.Tensor | None = None
-    o_bias: torch.Tensor | None = None
+    """One converted layer's stock DeepSeek-V3 attention tensors, and the input norm weight that feeds them."""
+
+    q_proj: torch.Tensor  # [N·(d+R), H]
+    kv_a_proj: torch.Tensor  # [r+R, H]
+    kv_a_norm: torch.Tensor  # [r]
+    kv_b_proj: torch.Tensor  # [N·2d, r]
+    o_proj: torch.Tensor  # [H, N·d]
+    input_norm: torch.Tensor  # [H] the layer's input_layernorm weight s·γ (written in place of the source's γ)
+    kv_a_bias: torch.Tensor | None = None  # [r+R]
+    o_bias: torch.Tensor | None = None  # [H]
 
 
 @dataclass
@@ -365,8 +370,9 @@ def factor_attention(src: SourceAttention, shape: AttentionShape, options: Layer
 
 def assemble(latent: LatentAttention, shape: AttentionShape, options: LayerOptions, gamma: torch.Tensor,
              metric: torch.Tensor) -> tuple[MLAAttention, float]:
-    """Step 5: the stock DeepSeek-V3 tensors — tiny latent behind ``kv_a_layernorm``, GQA groups expanded,
-    the residual rescale on o_proj. Returns them and the proven bound on mean(c'²)/ε."""
+    """Step 5: the stock DeepSeek-V3 tensors — tiny latent behind ``kv_a_layernorm``, its smallness split
+    between kv_a and the input norm, GQA groups expanded, the residual rescale on o_proj. Returns them
+    and the proven bound on mean(c'²)/ε."""
     N, G, d, R, r = shape.heads, shape.kv_heads, shape.head_dim, options.rope_dim, options.rank
     group_of_head = torch.arange(N) // shape.group
     down = latent.down.to(torch.float64)
@@ -383,10 +389,23 @@ def assemble(latent: LatentAttention, shape: AttentionShape, options: LayerOptio
         kv_a_norm=torch.full((r,), tiny.norm_weight, dtype=torch.float64),
         kv_b_proj=kv_b[group_of_head].reshape(N * 2 * d, r).to(torch.float64) * tiny.up_scale,
         o_proj=latent.o.to(torch.float64) * options.residual_scale,
+        input_norm=gamma.to(torch.float64),
         kv_a_bias=kv_a_bias,
         o_bias=None if latent.o_bias is None else latent.o_bias.to(torch.float64) * options.residual_scale,
     )
-    return mla, tiny.bound
+    return scale_input(mla, r, metric), tiny.bound
+
+
+def scale_input(mla: MLAAttention, rank: int, metric: torch.Tensor) -> MLAAttention:
+    """The same attention reading s·x (``latent_norm.input_scale``): input norm ×s, q_proj and kv_a ÷s.
+
+    Every score, value and the latent c' are unchanged (s·x enters only through those two weights; the
+    rope-key bias is added after them), and so is the bound on mean(c'²), a function of kv_a·diag(γ).
+    """
+    hidden = mla.input_norm.shape[0]
+    input_rms = math.sqrt(max((metric.diagonal() if metric.dim() == 2 else metric).sum().item(), 0.0) / hidden)
+    s = input_scale(mla.kv_a_proj[:rank], [mla.q_proj, mla.kv_a_proj], input_rms)
+    return replace(mla, q_proj=mla.q_proj / s, kv_a_proj=mla.kv_a_proj / s, input_norm=mla.input_norm * s)
 
 
 def convert_attention(src: SourceAttention, shape: AttentionShape, options: LayerOptions,

@@ -1,4 +1,4 @@
-"""Making DeepSeek's ``kv_a_layernorm`` an exact linear map: the tiny-latent regime.
+"""Making DeepSeek's ``kv_a_layernorm`` an exact linear map: the tiny-latent regime, and where its smallness lives.
 
 The stock layer computes kv_b·(w ⊙ c'/√(mean(c'²) + ε)) on the latent c' = β·A·x. If β is so small
 that mean(c'²) ≤ δ·ε for every possible token, the norm is the linear map c'·w/√ε up to a relative
@@ -9,6 +9,13 @@ x = γ ⊙ ĥ with ĥ = h/√(mean(h²) + ε_src), so ‖ĥ‖² < H and
 
 Hence β = √(δ·ε·r/H) / σ_max(A·diag γ). The norm weight ρ = √ε/(β·τ) then gives the normalised
 latent a typical RMS of 1 (τ = typical RMS of A·x), and kv_b_proj carries B·τ.
+
+β is ~1e-7: written as kv_a's latent rows it would sit below what float16 and the float16 block
+scales of llama.cpp's q8_0/Q4_K hold (they come back as zeros). Only the product β·A·x must be tiny, so
+the smallness is split between the weights and the attention input (``input_scale``): the layer's
+input_layernorm weight becomes s·γ (a 1-D tensor, kept in float32 by llama.cpp and never quantized),
+and both readers of x, q_proj and kv_a_proj_with_mqa, are divided by s. Scores, values and the bound
+are unchanged; s is a power of two, so s·γ and the divisions are exact in every float format.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 
 LATENT_NORM_EPS = 1e-6  # hard-coded for kv_a_layernorm in transformers; rms_norm_eps in vLLM/SGLang
 DEFAULT_DELTA = 1e-5
+MAX_ENTRY = 2.0**13  # the largest weight the input scale may create: float16's 65504 with an 8× margin
 
 
 @dataclass(frozen=True)
@@ -50,3 +58,23 @@ def tiny_latent(down: torch.Tensor, gamma: torch.Tensor, typical_rms: float,
         bound=(beta * sigma_max) ** 2 * hidden / rank / eps,
     )
 
+
+def input_scale(latent_rows: torch.Tensor, readers: list[torch.Tensor], input_rms: float,
+                max_entry: float = MAX_ENTRY) -> float:
+    """The power of two s ≤ 1 by which the attention input is scaled (γ' = s·γ, readers ÷ s).
+
+    latent_rows: kv_a's latent rows β·A [r, H] as they read the unscaled input; readers: every weight
+    that reads x (q_proj, kv_a_proj_with_mqa); input_rms: the typical RMS of x.
+
+    The latent c' = (β·A/s)·(s·x) is a product of a weight and an activation, and llama.cpp stores
+    both with float16 block scales (q8_0 weights meet q8_0 activations), so s makes their typical
+    magnitudes equal: RMS(β·A)/s = s·input_rms. No reader may then exceed ``max_entry``.
+    """
+    weight_rms = latent_rows.pow(2).mean().sqrt().item()
+    if weight_rms == 0.0 or input_rms == 0.0:
+        return 1.0
+    exponent = round(0.5 * math.log2(weight_rms / input_rms))
+    largest = max(t.abs().max().item() for t in readers)
+    if largest > 0:
+        exponent = max(exponent, math.ceil(math.log2(largest / max_entry)))
+    return 2.0 ** min(exponent, 0)

@@ -175,7 +175,8 @@ def output_dtype(spec: SourceSpec, requested: str | None) -> torch.dtype:
     if dtype == torch.float16:
         raise MlaconvError(
             "float16 output is refused: DeepSeek's kv_a_layernorm is made linear by keeping the latent tiny "
-            "(mean square ≤ 1e-5·1e-6), which underflows in float16; use --dtype bfloat16 or float32"
+            "(mean square ≤ 1e-5·1e-6), which float16 activations cannot hold (the weights fit float16: llama.cpp's "
+            "f16 GGUF, which computes in float32, is fine); use --dtype bfloat16 or float32"
         )
     if dtype not in (torch.float32, torch.bfloat16):
         dtype = torch.float32

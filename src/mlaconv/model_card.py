@@ -277,7 +277,8 @@ def _usage(report: dict) -> str:
         "```",
         "",
         "Use bfloat16 or float32, never float16: the latent is kept tiny (so that DeepSeek's latent RMSNorm "
-        "acts linearly) and underflows in float16. Pass the dtype explicitly to the engines, whose `auto` "
+        "acts linearly) and underflows in float16 activations (the weights fit float16, and llama.cpp's f16, q8_0 "
+        "and Q4_K_M GGUFs, which compute in float32, are fine). Pass the dtype explicitly to the engines, whose `auto` "
         "may pick float16 for a float32 checkpoint:",
         "",
         "```bash",

@@ -329,7 +329,8 @@ def test_float16_underflows_an_exact_mla_conversion_and_is_refused(tiny_model, t
              for name, folder in (("source", src), ("converted", out)) for dtype in (torch.float32, torch.float16)}
     assert error["converted", torch.float32] < 1e-4  # exact in float32
     assert error["source", torch.float16] < 0.02
-    assert error["converted", torch.float16] > 0.1 and error["converted", torch.float16] > 10 * error["source", torch.float16]
+    # the latent before kv_a_layernorm (≤ 3e-6) is subnormal in a float16 activation, whatever the weights hold
+    assert error["converted", torch.float16] > 0.02 and error["converted", torch.float16] > 5 * error["source", torch.float16]
 
     ids_file = tmp_path / "ids.jsonl"
     ids_file.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in ids.tolist()))

@@ -15,14 +15,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def refuse_float16_mla(folder: str | Path, config: dict, dtype: torch.dtype) -> None:
     """Refuse to run an MLA checkpoint (one with ``kv_lora_rank``) in float16, in one line.
 
-    mlaconv keeps the kv_a_proj latent tiny so that kv_a_layernorm is a linear map; float16 flushes
-    it to subnormals and zero, and even an exact conversion then moves its logits by tens of percent.
+    mlaconv keeps the latent before kv_a_layernorm tiny so that the norm is a linear map; a float16
+    activation holds it only as a subnormal, and even an exact conversion then moves its logits by
+    percents, several times what float16 costs its source.
     """
     if dtype == torch.float16 and config.get("kv_lora_rank"):
         raise MlaconvError(
-            f"--dtype float16 is refused for the MLA checkpoint {folder}: its kv_a_proj latent is kept tiny "
-            "(mean square ≤ 1e-11) so that kv_a_layernorm is linear, and float16 underflows it (logits off by tens "
-            "of percent even for an exact conversion); use --dtype bfloat16 (same memory) or float32"
+            f"--dtype float16 is refused for the MLA checkpoint {folder}: its latent before kv_a_layernorm is kept "
+            "tiny (mean square ≤ 1e-11) so that the norm is linear, and float16 activations underflow it (logits off by "
+            "percents even for an exact conversion); use --dtype bfloat16 (same memory) or float32"
         )
 
 

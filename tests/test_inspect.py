@@ -117,8 +117,9 @@ def test_rank_for_energy_and_default_ranks():
 
 
 def checkpoint_values(out, i: int) -> torch.Tensor:
-    """[N, V, H]: what the written layer i computes as each head's value of a normalised input, read from the
-    DeepSeek-V3 tensors (kv_b_proj's value rows · kv_a_layernorm linearised by the tiny latent · kv_a_proj)."""
+    """[N, V, H]: what the written layer i computes as each head's value of an RMS-normalised hidden state ĥ,
+    read from the DeepSeek-V3 tensors (kv_b_proj's value rows · kv_a_layernorm linearised by the tiny latent ·
+    kv_a_proj · the written input_layernorm weight)."""
     config = json.loads((out / "config.json").read_text())
     N, r, P, V = (config[k] for k in ("num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"))
     weights = {}
@@ -128,7 +129,8 @@ def checkpoint_values(out, i: int) -> torch.Tensor:
     down = weights[prefix + "kv_a_proj_with_mqa.weight"].double()[:r]  # [r, H]
     norm = weights[prefix + "kv_a_layernorm.weight"].double() / config["rms_norm_eps"] ** 0.5  # [r]
     up = weights[prefix + "kv_b_proj.weight"].double().reshape(N, P + V, r)[:, P:]  # [N, V, r]
-    return up @ (norm[:, None] * down)
+    input_norm = weights[f"model.layers.{i}.input_layernorm.weight"].double()  # [H]
+    return up @ (norm[:, None] * down * input_norm)
 
 
 def source_values(src, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +146,7 @@ def source_values(src, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 def relative_value_error(src, out, i: int) -> float:
     """‖(V − V̂)·diag γ‖² / ‖V·diag γ‖²: the value error on inputs with E[x̂ x̂ᵀ] = diag γ² (weights-only)."""
     v, gamma = source_values(src, i)
-    return (((v - checkpoint_values(out, i)) * gamma).pow(2).sum() / (v * gamma).pow(2).sum()).item()
+    return ((v * gamma - checkpoint_values(out, i)).pow(2).sum() / (v * gamma).pow(2).sum()).item()
 
 
 def test_energy_is_the_optimal_truncation_measured_on_the_written_checkpoint(tiny_model, tmp_path):

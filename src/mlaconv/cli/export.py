@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 
@@ -33,7 +34,7 @@ def gguf(
     kv_cache_elements_per_token_per_layer, rope_scaling, q_scale_folded,
     llama_cpp_checked, seconds.
     """
-    with handle_errors(debug):
+    with handle_errors(debug), _json_error(json_out):
         from mlaconv.errors import MlaconvError
 
         try:
@@ -58,3 +59,16 @@ def gguf(
             highlight=False, soft_wrap=True)
         if json_out:
             emit_json(report)
+
+
+@contextmanager
+def _json_error(json_out: bool) -> Iterator[None]:
+    """With --json, a refused export also puts {"error": "<the one line>"} on stdout."""
+    from mlaconv.errors import MlaconvError
+
+    try:
+        yield
+    except MlaconvError as exc:
+        if json_out:
+            emit_json({"error": " ".join(str(exc).split())})
+        raise

@@ -74,7 +74,7 @@ def write_llama_gguf(folder: Path, path: Path) -> None:
              "output.weight": "lm_head.weight" if "lm_head.weight" in reader else "model.embed_tokens.weight"}
     for i in range(L):
         p = f"model.layers.{i}."
-        names.update({f"blk.{i}.{a}.weight": p + b for a, b in (
+        names.update({f"blk.{i}.{a}.weight": p + b + ".weight" for a, b in (
             ("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
             ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"), ("ffn_norm", "post_attention_layernorm"),
             ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"))})

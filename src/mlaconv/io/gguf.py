@@ -77,7 +77,6 @@ class DeepseekShape:
     rope_theta: float
     context: int
     linear_factor: float | None
-    attention_bias: bool
 
     @property
     def score_scale(self) -> float:
@@ -111,7 +110,6 @@ def read_shape(config: dict) -> DeepseekShape:
         ffn=_int(config, "intermediate_size"), vocab=_int(config, "vocab_size"),
         eps=float(config.get("rms_norm_eps") or 1e-6), rope_theta=float(config.get("rope_theta") or 10000.0),
         context=_int(config, "max_position_embeddings"), linear_factor=_linear_factor(config.get("rope_scaling")),
-        attention_bias=bool(config.get("attention_bias", False)),
     )
 
 
@@ -192,7 +190,7 @@ def plan_entries(shape: DeepseekShape, reader: CheckpointReader) -> list[Entry]:
     return entries
 
 
-def check_biases(shape: DeepseekShape, reader: CheckpointReader) -> None:
+def check_biases(reader: CheckpointReader) -> None:
     """deepseek2 has no attention biases: refuse any that is not zero, naming them."""
     names = [n for n in reader.names if n.endswith(".bias")]
     nonzero = [n for n in names if bool(reader.get(n).ne(0).any())]
@@ -214,7 +212,7 @@ def export_gguf(folder: Path, path: Path, outtype: str = "f32", force: bool = Fa
     shape = read_shape(read_config(folder))
     reader = CheckpointReader(folder)
     entries = plan_entries(shape, reader)
-    check_biases(shape, reader)
+    check_biases(reader)
     vocabulary = read_vocabulary(folder, shape.vocab, use_tokenizer)
     target, file_type = OUTTYPES[outtype]
     planned = {e.name: _planned_type(e.shape, target) for e in entries}

@@ -44,7 +44,7 @@ def _register_commands() -> None:
     """Import the sub-command modules; each registers itself on the apps above."""
     import importlib
 
-    for name in ("convert", "inspect", "evaluate", "bench"):
+    for name in ("convert", "inspect", "evaluate", "bench", "export"):
         try:
             importlib.import_module(f"mlaconv.cli.{name}")
         except ModuleNotFoundError as exc:  # a sub-command still being written

@@ -2,7 +2,8 @@
 
 ``atomic_output_dir`` hands out a temporary folder beside OUT and renames it into place only when
 the block completes; on any failure (Ctrl-C and SIGTERM included) the temporary folder is removed,
-and temporaries left by a killed run are swept at the next run. ``ShardedWriter`` streams tensors
+and temporaries left by a killed run are swept at the next run (``atomic_output_file`` does the
+same for a single file, a GGUF export). ``ShardedWriter`` streams tensors
 into shards of at most ``max_shard_bytes`` and writes ``model.safetensors.index.json``.
 """
 
@@ -120,6 +121,35 @@ def atomic_output_dir(out: Path, force: bool = False) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
+
+
+@contextmanager
+def atomic_output_file(out: Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside ``out`` that becomes ``out`` when the block succeeds, and vanishes if not."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise MlaconvError(f"{out} already exists; pass --force to replace it")
+    if out.is_dir():
+        raise MlaconvError(f"{out} is a folder; give a file name")
+    tmp = out.parent / f".{out.name}{_TMP_TAG}{os.getpid()}"
+    with _sigterm_as_interrupt():
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            for stale in out.parent.glob(f".{out.name}{_TMP_TAG}*"):
+                pid_text = stale.name.rsplit("-", 1)[-1]
+                if pid_text.isdigit() and (int(pid_text) == os.getpid() or not _pid_alive(int(pid_text))):
+                    stale.unlink(missing_ok=True)
+        except OSError as exc:
+            raise MlaconvError(f"cannot write {out}: {exc.strerror or exc}") from exc
+        try:
+            yield tmp
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise MlaconvError(f"{exc.strerror or exc}: {exc.filename or out}; nothing was written to {out}") from exc
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, out)
 
 
 class ShardedWriter:

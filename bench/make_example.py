@@ -95,6 +95,9 @@ def main() -> None:
             shutil.copy(args.source / name, args.out / name)
     for name, text in texts.items():
         (args.out / f"{name}.txt").write_text(text, encoding="utf-8")
+    config = json.loads((args.out / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # transformers 4.x has no TokenizersBackend
+    (args.out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     ids = windows(torch.tensor(tokenizer(texts["eval"], verbose=False)["input_ids"]), WINDOW)
     model = LlamaForCausalLM.from_pretrained(args.source, dtype=torch.float32).eval()

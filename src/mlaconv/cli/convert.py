@@ -141,7 +141,8 @@ def render_report(report: dict, console) -> None:
                      if result.get("kl_per_token") is not None else " (KL and top-1 not measured: the two models "
                      "did not fit in memory together)")
         console.print(
-            f"eval ({result['data']}, {result['windows']} windows of {result['window']}): PPL {result['ppl']:.4g} vs "
-            f"source {result['baseline_ppl']:.4g} (drift {result['drift']:+.2%}){agreement}", highlight=False)
+            f"eval ({result['data']}, {result['windows']} windows of {result['window']}): KV cache {report['kv_keep']:.1%} "
+            f"of the source's; PPL {result['ppl']:.4g} vs source {result['baseline_ppl']:.4g} (drift "
+            f"{result['drift']:+.2%}){agreement}", highlight=False)
     for warning in report["serving"]["warnings"]:
         console.print(f"[yellow]note:[/] {warning}", highlight=False)

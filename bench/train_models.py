@@ -3,6 +3,7 @@
     python bench/train_models.py llama              # → bench/_work/models/llama-docs
     python bench/train_models.py qwen2              # → bench/_work/models/qwen2-docs
     python bench/train_models.py stories-calib      # → bench/_work/stories260K_calib.jsonl
+    python bench/train_models.py heldout --out bench/_work/models/llama-docs   # rewrite calib.txt (below)
 
 Corpus (everything ships with Python or an installed package, nothing is downloaded): the
 ``pydoc_data.topics`` reference pages, and the docstrings (module, class, function; at least
@@ -14,9 +15,12 @@ excluded. A *unit* is one source file or one pydoc topic; sha256 of its name put
 A byte-level BPE tokenizer (``tokenizers``, ``VOCAB`` ids, Qwen2's pre-tokenizer, trained on the train
 part only) is saved with each model as a ``PreTrainedTokenizerFast``; the models see the documents as
 one id stream, each document followed by EOS. Each model folder also holds ``calib.txt`` and
-``eval.txt`` (the held-out parts, documents separated by blank lines) and ``train.json``: the
-corpus manifest (versions, sizes, checksums, the units of each held-out part) and the training
-figures. Training (AdamW, warm-up + cosine, random windows of the train stream) is seeded and
+``eval.txt`` (the held-out parts, documents separated by blank lines; ``calib.txt`` without the
+documents that share a 13-word shingle with ``eval.txt``, see ``bench/overlap.py``: units differ,
+but the stdlib, numpy and pandas copy docstrings between files) and ``train.json``: the corpus
+manifest (versions, sizes, checksums, the units of each held-out part), what the deduplication
+dropped, and the training figures. ``heldout`` rewrites those two files for a folder trained before
+the deduplication, after checking that the rebuilt corpus is the one it was trained on. Training (AdamW, warm-up + cosine, random windows of the train stream) is seeded and
 deterministic for a given machine and thread count (2 threads).
 """
 
@@ -37,6 +41,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overlap import SHINGLE, drop_overlapping, shared_shingles  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "_work"
@@ -124,6 +131,47 @@ def build_corpus() -> tuple[dict[str, list[str]], dict]:
 
 def join(docs: list[str]) -> str:
     return "\n\n".join(docs) + "\n"
+
+
+def held_out_texts(parts: dict[str, list[str]]) -> tuple[dict[str, str], dict]:
+    """calib.txt and eval.txt: the held-out parts, calibration without every document that shares a
+    ``SHINGLE``-word run with the evaluation text; and a record of what was dropped."""
+    evaluation = join(parts["eval"])
+    calib, dropped = drop_overlapping(parts["calib"], evaluation)
+    texts = {"calib": join(calib), "eval": evaluation}
+    assert not shared_shingles(texts["calib"], evaluation)
+    record = {
+        "rule": f"calib.txt = the calib part without its documents that share a {SHINGLE}-word shingle "
+                "(lower-cased \\w+ words) with eval.txt, bench/overlap.py; eval.txt = the eval part",
+        "calib_documents_dropped": len(dropped),
+        "calib_chars_dropped": sum(len(parts["calib"][k]) for k in dropped),
+        "files": {f"{name}.txt": {"chars": len(text), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+                  for name, text in texts.items()},
+    }
+    return texts, record
+
+
+def write_held_out(out: Path, parts: dict[str, list[str]]) -> dict:
+    texts, record = held_out_texts(parts)
+    for name, text in texts.items():
+        (out / f"{name}.txt").write_text(text, encoding="utf-8")
+    return record
+
+
+def rewrite_held_out(out: Path) -> None:
+    """Deduplicate calib.txt of an already trained folder, if the rebuilt corpus is the one it was trained on."""
+    report = json.loads((out / "train.json").read_text())
+    parts, manifest = build_corpus()
+    trained_on = report["corpus"]["parts"]
+    for name, part in manifest["parts"].items():
+        if part["sha256"] != trained_on[name]["sha256"]:
+            sys.exit(f"error: the {name} part rebuilt here differs from the one {out} was trained on (python "
+                     f"{report['corpus']['python']}, {report['corpus']['packages']} there; python "
+                     f"{manifest['python']}, {manifest['packages']} here): retrain instead")
+    report["held_out_files"] = record = write_held_out(out, parts)
+    (out / "train.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{out}: calib.txt without {record['calib_documents_dropped']} documents "
+          f"({record['calib_chars_dropped']} chars) that shared a {SHINGLE}-word shingle with eval.txt")
 
 
 # ------------------------------------------------------------------------------------------- tokenizer
@@ -292,11 +340,10 @@ def train_model(name: str, out: Path, steps: int | None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    for split in ("calib", "eval"):
-        (out / f"{split}.txt").write_text(join(parts[split]), encoding="utf-8")
+    held_out = write_held_out(out, parts)
     report = {"model": name, "recipe": asdict(recipe), "context": CONTEXT, "vocab": len(tokenizer),
               "seed": SEED, "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "command": "python " + " ".join(sys.argv), **figures, "corpus": manifest}
+              "command": "python " + " ".join(sys.argv), **figures, "corpus": manifest, "held_out_files": held_out}
     (out / "train.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"{name}: {figures['parameters'] / 1e6:.2f}M parameters, {figures['train_tokens']} tokens in "
           f"{figures['train_seconds']:.0f}s ({figures['train_cpu_seconds']:.0f} CPU s); final train loss "
@@ -332,12 +379,17 @@ def sample_stories(out: Path, count: int = 64, length: int = 256, seed: int = 43
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=[*RECIPES, "stories-calib"])
-    parser.add_argument("--out", type=Path, help="output folder (a .jsonl file for stories-calib)")
+    parser.add_argument("what", choices=[*RECIPES, "stories-calib", "heldout"])
+    parser.add_argument("--out", type=Path, help="output folder (a .jsonl file for stories-calib; the trained "
+                                                 "folder for heldout)")
     parser.add_argument("--steps", type=int, help="training steps (default: the recipe's)")
     args = parser.parse_args()
     if args.what == "stories-calib":
         sample_stories(args.out or WORK / "stories260K_calib.jsonl")
+    elif args.what == "heldout":
+        if args.out is None:
+            parser.error("heldout needs --out FOLDER (a folder this script trained)")
+        rewrite_held_out(args.out)
     else:
         train_model(args.what, args.out or WORK / "models" / f"{args.what}-docs", args.steps)
 

@@ -136,8 +136,8 @@ def render_report(report: dict, console) -> None:
         agreement = (f", KL {result['kl_per_token']:.3g}, top-1 {result['top1_agreement']:.2%}"
                      if result.get("kl_per_token") is not None else " (KL and top-1 not measured: the two models "
                      "did not fit in memory together)")
-        line(console, f"eval ({escape(result['data'])}, {result['windows']} windows of {result['window']}): PPL "
-                      f"{result['ppl']:.4g} vs source {result['baseline_ppl']:.4g} (drift {result['drift']:+.2%})"
-                      f"{agreement}")
+        line(console, f"eval ({escape(result['data'])}, {result['windows']} windows of {result['window']}): KV cache "
+                      f"{report['kv_keep']:.1%} of the source's; PPL {result['ppl']:.4g} vs source "
+                      f"{result['baseline_ppl']:.4g} (drift {result['drift']:+.2%}){agreement}")
     for warning in report["serving"]["warnings"]:
         line(console, f"[yellow]note:[/] {escape(warning)}")

@@ -173,7 +173,10 @@ def test_refinement_lowers_the_measured_attention_error(stories, stories_samples
         assert step["kept"] == (step["after"] < step["before"]) == variant.endswith(", refined")
     assert any("refined" in v for v in refined["layer_variant"])
     assert refined["calibration"]["closed_form"]["attention_error"] == pytest.approx(closed["attention_error"], abs=1e-9)
-    assert sum(refined["attention_error"]) < 0.9 * sum(closed["attention_error"])
+    # audited on windows that chose nothing: a smaller gain than the select windows, which chose the best step, show
+    assert sum(refined["attention_error"]) < 0.95 * sum(closed["attention_error"])
+    assert sum(c["refinement"]["after"] for c in refined["calibration"]["selection"]) < 0.9 * sum(
+        c["refinement"]["before"] for c in refined["calibration"]["selection"])
     assert kl(tmp_path / "refined") < kl(tmp_path / "closed")
 
 

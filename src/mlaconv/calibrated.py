@@ -267,7 +267,8 @@ def layer_figures(reports: list[LayerReport | None]) -> dict:
         return [getattr(r, name) if r is not None else None for r in reports]
 
     return {"attention_error": column("attention_error"), "energy_retained": column("energy_retained"),
-            "key_error": column("key_error"), "value_error": column("value_error"), "layer_variant": column("variant")}
+            "key_error": column("key_error"), "value_error": column("value_error"), "layer_variant": column("variant"),
+            "objective_retained": column("objective_retained")}
 
 
 def calibration_report(streamer: SourceStreamer, refinement: RefinementPlan, layers: list[LayerRecord],

@@ -9,7 +9,7 @@ peak RSS includes its parent's resident memory at the fork):
     copytree   python -c 'shutil.copytree(SRC, DST)'
     cp -r      cp -r SRC DST
     convert    mlaconv convert SRC OUT --rank 512 --rope-dim 64 --no-verify
-    calibrated the same with --calib 8×256 random token ids --calib-window 256
+    calibrated the same with --calib 8×256 random token ids --calib-window 256 --refine-steps 0
 
 and prints the per-stage memory model with what it predicts for this shape and for Llama-3-70B.
 
@@ -266,7 +266,8 @@ def main() -> None:
         "cp": (["cp", "-r", str(source), str(work / "cp")], work / "cp"),
         "convert": (mlaconv + [str(work / "out-weights")] + weights_only, work / "out-weights"),
         "calibrated": (mlaconv + [str(work / "out-calibrated")] + weights_only
-                       + ["--calib", str(calib), "--calib-window", str(args.calib_window)], work / "out-calibrated"),
+                       + ["--calib", str(calib), "--calib-window", str(args.calib_window), "--refine-steps", "0"],
+                       work / "out-calibrated"),
     }
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}
     results = {}

@@ -26,6 +26,7 @@ from mlaconv.errors import MlaconvError
 from mlaconv.io.text import load_dataset_text, read_text, read_token_lines
 from mlaconv.io import CheckpointReader
 from mlaconv.models import load_tokenizer
+from mlaconv.progress import Progress, no_progress
 from mlaconv.mla.attention import LayerStats, MLAAttention, SourceAttention
 from mlaconv.mla.rope import scaled_frequencies
 from mlaconv.reference import (Heads, MLPWeights, attention_by_distance, mla_attention, mlp_block, rms_norm,
@@ -305,7 +306,8 @@ class SourceStreamer:
                     stream[batch] = (h + mlp_block(h, mlp, eps)).cpu()
         self.next_layer = i + 1
 
-    def agreement(self, tokens_per_chunk: int = 4096, logits_per_block: int = 2**22) -> dict[str, dict[str, float]]:
+    def agreement(self, progress: Progress = no_progress, tokens_per_chunk: int = 4096,
+                  logits_per_block: int = 2**22) -> dict[str, dict[str, float]]:
         """KL(source ‖ model) per token and top-1 agreement of each followed model against the source on the
         audit windows, after the last layer (final norm, then the head).
 
@@ -325,7 +327,8 @@ class SourceStreamer:
         kl = {name: 0.0 for name in self.followed}
         agree = {name: 0 for name in self.followed}
         with torch.no_grad():
-            for start in range(0, total, tokens_per_chunk):
+            chunks = range(0, total, tokens_per_chunk)
+            for start in progress(chunks, "whole-model check on the audit windows", len(chunks)):
                 rows = {name: rms_norm(h[start : start + tokens_per_chunk].to(self.device), norm, eps).float()
                         for name, h in flat.items()}
                 chunk_kl, chunk_agree = _chunk_agreement(rows, head, max(1, logits_per_block // len(rows["source"])))

@@ -315,7 +315,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
                 write_layer(writer, reader, spec, i, mla, alpha, dtype)
                 del mla
         if streamer:
-            agreement = streamer.agreement()
+            agreement = streamer.agreement(progress)
             written, reason = calibrated.written_model(agreement)
             for i in list(pending.keys):
                 for name, tensor in pending.take(i, written).items():

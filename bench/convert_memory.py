@@ -9,7 +9,7 @@ peak RSS includes its parent's resident memory at the fork):
     copytree   python -c 'shutil.copytree(SRC, DST)'
     cp -r      cp -r SRC DST
     convert    mlaconv convert SRC OUT --rank 512 --rope-dim 64 --no-verify
-    calibrated the same with --calib 8×256 random token ids --calib-window 256
+    calibrated the same with --calib 8×256 random token ids --calib-window 256 --refine-steps 0
 
 and prints the per-stage memory model with what it predicts for this shape and for Llama-3-70B.
 
@@ -188,11 +188,13 @@ def memory_model(shape: Shape, rank: int, rope_dim: int, attention_factor: float
                 products of convert_attention, c measured on one layer of the shape (``--probe``)
     mlp         F·H·b: one matrix at a time, rescaled in place
     writer      0: every tensor goes to its shard file when it is added (no pending shard)
-    calibration adds B·S·H·4 (the hidden states of all windows) + H²·8 (E[xxᵀ]) to every stage; the per-layer
+    calibration adds B·S·H·4 (the hidden states of all windows) + 2·A·S·H·4 (the closed-form and refined models'
+                hidden states on the A = min(8, max(1, B/4)) audit windows) + 2·H²·8 (E[xxᵀ] of the fit and the
+                audit windows) to every stage; the per-layer
                 variant search holds two candidates (the best so far and the next), each as compact factors and
                 assembled in float64, 4·M·8 with M the MLA weights' elements, and measures each with both
-                layers in float32, (M + q+k+v+o)·4, against the held-out windows' inputs and source outputs,
-                kept for the layer: 2·P·S·H·4 (P = min(16, B)); a stage of its own moves the windows through the layer:
+                layers in float32, (M + q+k+v+o)·4, against the select and audit windows' inputs and source
+                outputs, kept for the layer: 2·2A·S·H·4; a stage of its own moves the windows through the layer:
                 the layer in float32 (q+k+v+o + max(3·F·H, M))·4, one batch's activations b·S·(3F + 4H)·4
                 and the attention-profile scores, computed a few heads at a time: at most max(2²⁵, b·S²)
                 of them, ·4·3 (scores, mask, softmax)
@@ -207,9 +209,10 @@ def memory_model(shape: Shape, rank: int, rope_dim: int, attention_factor: float
     }
     if calib_windows:
         B, S, b = calib_windows, calib_window, min(calib_batch, calib_windows)
-        kept = B * S * H * 4 + H * H * 8
+        A = min(8, max(1, B // 4))
+        kept = B * S * H * 4 + 2 * A * S * H * 4 + 2 * H * H * 8
         stages = {name: value + kept for name, value in stages.items()}
-        stages["attention"] += 4 * mla * 8 + (mla + attention) * 4 + 2 * min(16, B) * S * H * 4
+        stages["attention"] += 4 * mla * 8 + (mla + attention) * 4 + 2 * 2 * A * S * H * 4
         stages["calibration forward"] = (kept + mla * 8 + (attention + max(3 * F * H, mla)) * 4
                                          + b * S * (3 * F + 4 * H) * 4
                                          + min(b * N * S * S, max(PROFILE_SCORES, b * S * S)) * 4 * 3)
@@ -263,7 +266,8 @@ def main() -> None:
         "cp": (["cp", "-r", str(source), str(work / "cp")], work / "cp"),
         "convert": (mlaconv + [str(work / "out-weights")] + weights_only, work / "out-weights"),
         "calibrated": (mlaconv + [str(work / "out-calibrated")] + weights_only
-                       + ["--calib", str(calib), "--calib-window", str(args.calib_window)], work / "out-calibrated"),
+                       + ["--calib", str(calib), "--calib-window", str(args.calib_window), "--refine-steps", "0"],
+                       work / "out-calibrated"),
     }
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}
     results = {}

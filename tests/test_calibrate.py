@@ -54,14 +54,16 @@ def test_streamed_source_forward_matches_transformers(tiny_model):
 
 
 def test_energy_retained_equals_measured_calibration_error(tiny_model):
-    """With Σ = E[x xᵀ] of the calibration inputs, 1 − energy is exactly the relative K/V output error."""
+    """With Σ = E[x xᵀ] of the fit windows, 1 − energy is exactly the relative balanced K/V output error there,
+    and the report's energy_retained (1 − the mean of the key and value errors) is the same number."""
     src = tiny_model(kv_heads=2, head_dim=16, hidden=64)
     spec, reader = open_source(src)
-    tokens = random_tokens(4, 32, spec.vocab_size, seed=3)
+    tokens = random_tokens(8, 32, spec.vocab_size, seed=3)
     streamer = SourceStreamer(reader, spec, CalibrationOptions(tokens))
     attention = read_attention(reader, spec, 0)
     stats = streamer.stats(0, attention)
-    x = rms_norm(streamer.hidden, attention.input_norm, spec.rms_norm_eps).flatten(0, 1).double()  # [T, H]
+    fit = list(streamer.split.fit)
+    x = rms_norm(streamer.hidden[fit], attention.input_norm, spec.rms_norm_eps).flatten(0, 1).double()  # [T, H]
     shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     for rank in (4, 12, 30):
         options = LayerOptions(rank=rank, rope_dim=8, rope_theta=spec.rope_theta, rope_stride=1)
@@ -73,7 +75,9 @@ def test_energy_retained_equals_measured_calibration_error(tiny_model):
         measured = ((outputs - approx) ** 2).sum() / (outputs**2).sum()
         assert factors.energy == pytest.approx(1 - measured.item(), abs=1e-6)
         _, report = convert_attention(attention, shape, options, stats)
-        assert report.energy_retained == pytest.approx(factors.energy, abs=1e-12)
+        assert report.energy_retained == pytest.approx(factors.energy, abs=1e-9)
+        assert report.energy_retained == pytest.approx(1 - (report.key_error + report.value_error) / 2, abs=1e-12)
+        assert report.objective_retained == pytest.approx(factors.energy, abs=1e-12)
 
 
 def test_attention_weighted_latent_is_optimal_in_its_own_metric(tiny_model):
@@ -81,7 +85,7 @@ def test_attention_weighted_latent_is_optimal_in_its_own_metric(tiny_model):
     least error in that weighted norm at every rank, equal to 1 − its energy; the balanced latent's is larger."""
     src = tiny_model(kv_heads=2, head_dim=16, hidden=64)
     spec, reader = open_source(src)
-    streamer = SourceStreamer(reader, spec, CalibrationOptions(random_tokens(4, 32, spec.vocab_size, seed=8)))
+    streamer = SourceStreamer(reader, spec, CalibrationOptions(random_tokens(8, 32, spec.vocab_size, seed=8)))
     attention = read_attention(reader, spec, 0)
     stats = streamer.stats(0, attention)
     shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
@@ -104,6 +108,15 @@ def test_attention_weighted_latent_is_optimal_in_its_own_metric(tiny_model):
         assert weighted_error(ours) <= weighted_error(other) + 1e-12
         gaps.append(weighted_error(other) - weighted_error(ours))
     assert max(gaps) > 1e-3  # the weighting changes the basis, not only the bookkeeping
+
+    # energy_retained means the same for both: 1 − the balanced [K_nope; V] error; the weighted objective has its own name
+    reports = {name: convert_attention(attention, shape, replace(balanced_options, rank=6, latent_weighting=name), stats)[1]
+               for name in ("balanced", "attention")}
+    for report in reports.values():
+        assert report.energy_retained == pytest.approx(1 - (report.key_error + report.value_error) / 2, abs=1e-12)
+    assert reports["balanced"].energy_retained == pytest.approx(reports["balanced"].objective_retained, abs=1e-9)
+    assert reports["balanced"].energy_retained > reports["attention"].energy_retained  # balanced is optimal for it
+    assert abs(reports["attention"].objective_retained - reports["attention"].energy_retained) > 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -136,23 +149,35 @@ def test_calibrated_conversion_never_worse_than_weights_only(stories, stories_sa
         weights = convert(str(stories), tmp_path / f"w{rank}", ConvertOptions(rank=rank, verify=False))
         calibrated = convert(str(stories), tmp_path / f"c{rank}",
                              ConvertOptions(rank=rank, verify=False, calib=[str(tmp_path / "calib.jsonl")],
-                                            calib_window=96))
+                                            calib_window=96, refine_steps=0))
         assert calibrated["mode"] == "calibrated" and weights["mode"] == "weights-only"
         assert kl(tmp_path / f"c{rank}") < kl(tmp_path / f"w{rank}")
 
 
 def test_refinement_lowers_the_measured_attention_error(stories, stories_samples, tmp_path):
-    """With calibration windows beyond the held-out ones, refinement runs, is kept only where it
-    measures better, and lowers the KL on text it never saw."""
+    """Refinement trains on fit windows, is kept per layer only where it beats the closed form on the select
+    windows, lowers the attention error on the audit windows and the whole model's KL there, is written, and
+    lowers the KL on text the conversion never saw."""
     write_tokens(tmp_path / "calib.jsonl", stories_samples[:32])
     kl = held_out_kl(stories, stories_samples[32:])
     common = dict(rank=24, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=96)
     closed = convert(str(stories), tmp_path / "closed", ConvertOptions(refine_steps=0, **common))
     refined = convert(str(stories), tmp_path / "refined", ConvertOptions(refine_steps=100, **common))
     assert not any("refined" in v for v in closed["layer_variant"])
+    assert closed["calibration"]["whole_model"]["refined"] is None
+    assert closed["calibration"]["whole_model"]["written"] == "closed form"
+    whole = refined["calibration"]["whole_model"]
+    assert whole["written"] == "refined" and whole["refined"]["kl"] < whole["closed form"]["kl"]
+    assert whole["closed form"] == pytest.approx(closed["calibration"]["whole_model"]["closed form"], abs=1e-9)
+    for choice, variant in zip(refined["calibration"]["selection"], refined["layer_variant"]):
+        step = choice["refinement"]
+        assert step["kept"] == (step["after"] < step["before"]) == variant.endswith(", refined")
     assert any("refined" in v for v in refined["layer_variant"])
-    assert all(after <= before for before, after in zip(closed["attention_error"], refined["attention_error"]))
-    assert sum(refined["attention_error"]) < 0.9 * sum(closed["attention_error"])
+    assert refined["calibration"]["closed_form"]["attention_error"] == pytest.approx(closed["attention_error"], abs=1e-9)
+    # audited on windows that chose nothing: a smaller gain than the select windows, which chose the best step, show
+    assert sum(refined["attention_error"]) < 0.95 * sum(closed["attention_error"])
+    assert sum(c["refinement"]["after"] for c in refined["calibration"]["selection"]) < 0.9 * sum(
+        c["refinement"]["before"] for c in refined["calibration"]["selection"])
     assert kl(tmp_path / "refined") < kl(tmp_path / "closed")
 
 
@@ -174,18 +199,18 @@ def test_calibration_holds_one_layer_at_a_time(tiny_model, tmp_path, monkeypatch
         return tensor
 
     monkeypatch.setattr(CheckpointReader, "get", tracking_get)
-    convert(str(src), tmp_path / "out", ConvertOptions(rank=24, verify=False, shard_size=1,
+    convert(str(src), tmp_path / "out", ConvertOptions(rank=24, verify=False, shard_size=1, refine_steps=5,
                                                        calib=[str(tmp_path / "calib.jsonl")], calib_window=24))
     assert {i for i, _ in alive} == set(range(4))
 
 
 def test_same_inputs_give_byte_identical_output(tiny_model, tmp_path, monkeypatch):
-    import mlaconv.convert
+    import mlaconv.calibrated
 
     refined = []
-    monkeypatch.setattr(mlaconv.convert, "refine", lambda *a, **k: refined.append(1) or refine(*a, **k))
+    monkeypatch.setattr(mlaconv.calibrated, "refine", lambda *a, **k: refined.append(1) or refine(*a, **k))
     src = tiny_model(kv_heads=2, head_dim=16)
-    write_tokens(tmp_path / "calib.jsonl", random_tokens(20, 24, 96, seed=5))  # 16 held out, 4 to refine on
+    write_tokens(tmp_path / "calib.jsonl", random_tokens(20, 24, 96, seed=5))  # 10 fit, 5 select, 5 audit
     options = dict(rank=20, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=24, refine_steps=10,
                    device="cpu")  # CUDA kernels need not be deterministic
     report = convert(str(src), tmp_path / "out", ConvertOptions(**options))
@@ -202,7 +227,7 @@ def test_measured_attention_error_is_zero_for_an_exact_conversion(tiny_model, tm
     in every layer; at a lossy rank it is not, and it is the same however often a layer is measured."""
     src = tiny_model(kv_heads=1, head_dim=16, layers=3)
     write_tokens(tmp_path / "calib.jsonl", random_tokens(6, 24, 96, seed=9))
-    common = dict(verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=24, rope_dim=16)
+    common = dict(verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=24, rope_dim=16, refine_steps=0)
     exact = convert(str(src), tmp_path / "exact", ConvertOptions(rank=16, **common))
     assert max(exact["attention_error"]) <= 1e-10
     lossy = convert(str(src), tmp_path / "lossy", ConvertOptions(rank=4, **common))
@@ -228,11 +253,12 @@ def test_measured_attention_error_is_zero_for_an_exact_conversion(tiny_model, tm
 def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_samples, tmp_path, monkeypatch):
     """Full refinement where it is estimated to be affordable; on a slow CPU, steps of one window (at least 25)
     that fit the 30-minute budget; slower still, none — and the note says which."""
-    import mlaconv.convert as conversion
+    import mlaconv.calibrated as conversion
+    from mlaconv.convert import plan_conversion
 
     write_tokens(tmp_path / "calib.jsonl", stories_samples[:24])
     options = ConvertOptions(rank=24, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=96, device="cpu")
-    plan = conversion.plan_conversion(str(stories), options)
+    plan = plan_conversion(str(stories), options)
     streamer = conversion.calibration_streamer(plan, options)
     full_flops = conversion.DEFAULT_REFINE_STEPS * plan.spec.num_layers * conversion.refinement_flops(
         plan.shape, plan.shapes.rope_dim, plan.shapes.rank, 4 * 96, 96)

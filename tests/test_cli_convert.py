@@ -117,10 +117,14 @@ def test_calibrated_summary_shows_variants_errors_and_refinement(stories, tmp_pa
     ids = [json.loads(line)["input_ids"][:64] for line in (stories / "samples.jsonl").read_text().splitlines()[:4]]
     (tmp_path / "calib.jsonl").write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in ids))
     result = CliRunner().invoke(app, ["convert", str(stories), str(tmp_path / "out"), "--rank", "24", "--no-verify",
-                                      "--calib", str(tmp_path / "calib.jsonl"), "--calib-window", "64"])
+                                      "--calib", str(tmp_path / "calib.jsonl"), "--calib-window", "64",
+                                      "--refine-steps", "0"])
     assert result.exit_code == 0, result.output
     assert "attention error" in result.output and "variant" in result.output
-    assert "calibration: 4 windows of 64 tokens; refinement: skipped: no calibration windows beyond the 16" in result.output
+    assert ("calibration: 4 windows of 64 tokens (2 fit, 1 select, 1 audit); refinement: off (--refine-steps 0)"
+            in result.output)
+    assert "whole model on the 1 audit windows (64 tokens): closed form KL " in result.output
+    assert "written: closed form (no layer was refined)" in result.output
 
 
 def test_calibration_uses_the_gpu_when_torch_sees_one(monkeypatch):

@@ -190,9 +190,14 @@ def test_a_calibrated_summary_in_a_narrow_log_is_whole(tmp_path):
     for i, text in enumerate(rows):  # one line per layer, every cell whole
         cells = [cell.strip() for cell in text.strip().strip("│").split("│")]
         assert cells == [str(i), *(f"{column[i]:.4f}" for column in columns), report["layer_variant"][i]]
-    refinement = report["calibration"]["refinement"]
-    assert any(text.startswith("calibration: 4 windows of 64 tokens; refinement: ") and text.endswith(refinement)
-               for text in result.stderr.splitlines()), result.stderr
+    calibration = report["calibration"]
+    steps = f" ({calibration['refine_steps']} steps a layer)" if calibration["refine_steps"] else ""
+    lines = result.stderr.splitlines()
+    assert (f"calibration: 4 windows of 64 tokens (2 fit, 1 select, 1 audit); refinement: "
+            f"{calibration['refinement']}{steps}") in lines, result.stderr
+    whole = calibration["whole_model"]
+    assert any(text.startswith("whole model on the 1 audit windows (64 tokens): closed form KL ")
+               and text.endswith(f"written: {whole['written']} ({whole['reason']})") for text in lines), result.stderr
 
 
 # --- --json on failure --------------------------------------------------------------------------------------

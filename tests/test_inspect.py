@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from mlaconv.cli import app
 from mlaconv.cli.inspect import spectra as spectra_command
-from mlaconv.convert import (ConvertOptions, calibrated_layer_options, convert, layer_options, load_source, plan_shapes,
-                             read_attention)
+from mlaconv.calibrated import calibrated_layer_options
+from mlaconv.convert import ConvertOptions, convert, layer_options, load_source, plan_shapes, read_attention
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.attention import AttentionShape, LayerStats, convert_attention
 from mlaconv.plot import require_matplotlib, save_spectra_plot, spectra_figure
@@ -27,6 +27,7 @@ TOP_KEYS = {
     "hidden_size": int, "num_kv_heads": int, "head_dim": int, "kv_elements_per_token_per_layer": int,
     "qk_rope_head_dim": int, "rope_stride": int, "matrix_rows": int, "full_rank": int, "ranks": list,
     "energy_targets": list, "layers": list, "summary": dict, "recommendation": (dict, type(None)), "seconds": float,
+    "shows": str, "window_sets": (dict, type(None)),
 }
 LAYER_KEYS = {
     "layer": int, "energy_retained": "rank", "rank_for_energy": "target", "rank_fraction_for_energy": "target",
@@ -355,16 +356,23 @@ def test_cli_bad_input_is_one_line_and_non_zero(args, message, stories, tmp_path
 
 
 def test_calibrated_inspect_agrees_with_calibrated_convert(stories, tmp_path):
-    """--calib streams the source in both commands: the same energies per layer (convert without its
-    per-layer variant search, which inspect does not run)."""
+    """--calib streams the source in both commands: the same window sets and the same energies per layer, both
+    measured on the audit windows (convert without its per-layer variant search, which inspect does not run, as
+    its ``shows`` says); the spectrum itself is in-sample and differs."""
     import json
 
     tokens = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(3))
     calib = tmp_path / "calib.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in tokens.tolist()))
     converted = convert(str(stories), tmp_path / "out", ConvertOptions(rank=24, verify=False, calib=[str(calib)],
-                                                                       calib_window=64, layer_search=False))
+                                                                       calib_window=64, layer_search=False,
+                                                                       refine_steps=0))
     report = spectra(str(stories), SpectraOptions(ranks=[24], calib=[str(calib)], calib_window=64))
+    check_schema(report)
     assert report["mode"] == converted["mode"] == "calibrated"
+    assert report["window_sets"] == converted["calibration"]["window_sets"]
+    assert "plain calibrated variant" in report["shows"] and "measured on the audit windows" in report["shows"]
     energy = [layer["energy_retained"][0] for layer in report["layers"]]
     assert energy == pytest.approx(converted["energy_retained"]["per_layer"], abs=1e-12, rel=0)
+    in_sample = [layer["energy_curve"][23] for layer in report["layers"]]
+    assert min(abs(a - b) for a, b in zip(in_sample, energy)) > 1e-4

@@ -95,3 +95,31 @@ def test_card_says_which_layers_were_refined(report):
     assert "calibrated, on 4,096 calibration tokens (16 windows of 256), with 2 of 5 layers refined" in card
     assert "not trained or fine-tuned afterwards" in card
     assert "refined" not in render_model_card(report).split("## KV cache")[0]
+
+
+def test_card_of_a_calibrated_conversion(stories, tmp_path):
+    """A real calibrated report: the window sets, the per-layer figures of the written layers (audit windows)
+    and the whole-model check with both models' figures."""
+    import json
+
+    lines = (stories / "samples.jsonl").read_text().splitlines()
+    ids = [t for line in lines for t in json.loads(line)["input_ids"]][: 16 * 96]
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"input_ids": ids[k : k + 96]}) + "\n" for k in range(0, len(ids), 96)))
+    report = convert(str(stories), tmp_path / "out", ConvertOptions(
+        rank=24, verify=False, calib=[str(calib)], calib_window=96, calib_tokens=16 * 96, refine_steps=20, device="cpu"))
+    card = (tmp_path / "out" / "README.md").read_text()
+    sets = report["calibration"]["window_sets"]
+    assert f"({16} windows of 96: {len(sets['fit'])} to fit, {len(sets['select'])} to select, 4 to audit;" in card
+    columns = zip(report["energy_retained"]["per_layer"], report["rope_energy_kept"], report["key_error"],
+                  report["value_error"], report["attention_error"], report["layer_variant"])
+    for i, (energy, rope, key, value, attention, variant) in enumerate(columns):
+        assert f"| {i} | {energy:.4f} | {rope:.4f} | {key:.4f} | {value:.4f} | {attention:.4f} | {variant} |" in card
+    whole = report["calibration"]["whole_model"]
+    assert f"Written: **{whole['written']}**, because {whole['reason']}." in card
+    for name in ("closed form", "refined"):
+        figures = whole[name]
+        written = " (written)" if name == whole["written"] else ""
+        row = f"| {name}{written} | {figures['kl']:.4g} | {figures['top1']:.2%} |" if figures else f"| {name} | — |"
+        assert row in card, row
+    assert "measured on the audit windows" in card

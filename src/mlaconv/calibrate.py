@@ -5,21 +5,29 @@ of the calibration windows [B, S, H] (float32) move through the source model lay
 each layer we accumulate E[x xᵀ] of the attention input x = γ ⊙ ĥ in float64. Everything the
 converter weighs (key/query energies per frequency, K/V output energies) is a quadratic form in
 that matrix, so this is all the data it needs.
+
+The windows are split three ways (``split_windows``; disjoint, recorded in the report by index):
+*fit* windows give E[x xᵀ], the attention profile μ and the refinement's gradient steps; *select*
+windows make every choice (each layer's variant, the (r, R) split, the refinement's best step and
+whether it is kept); *audit* windows are only measured on: every per-layer figure of the report, and
+the whole-model comparison of the converted models with the source (``followed`` models, ``agreement``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
 from mlaconv.arch import SourceSpec
 from mlaconv.errors import MlaconvError
-from mlaconv.families import EMBED, SourceWeights
+from mlaconv.families import EMBED, FINAL_NORM, LM_HEAD, SourceWeights
 from mlaconv.io.text import load_dataset_text, read_text, read_token_lines
 from mlaconv.io import CheckpointReader
 from mlaconv.models import load_tokenizer
+from mlaconv.progress import Progress, no_progress
 from mlaconv.mla.attention import LayerStats, MLAAttention, SourceAttention
 from mlaconv.mla.rope import pair_frequencies
 from mlaconv.reference import (Heads, attention_by_distance, mla_attention, mlp_block, rms_norm, rope_angles,
@@ -65,12 +73,55 @@ def load_calibration_tokens(source: Path, spec: SourceSpec, files: list[str], da
     return ids
 
 
+MIN_WINDOWS = 3  # one to fit, one to select, one to audit
+MAX_HELD_WINDOWS = 8  # select and audit windows each, at most
+SPLIT_SEED = 1
+
+
+@dataclass(frozen=True)
+class WindowSplit:
+    """Indices into the [B, S] calibration windows of the three disjoint sets."""
+
+    fit: tuple[int, ...]  # E[x xᵀ], the attention profile μ, the refinement's gradient steps
+    select: tuple[int, ...]  # variant, (r, R) split, the refinement's best step and its acceptance
+    audit: tuple[int, ...]  # measured only: the report's per-layer figures and the whole-model check
+    note: str | None = None  # why the sets are small, when they are
+
+
+def split_windows(count: int, seed: int = SPLIT_SEED) -> WindowSplit:
+    """Split ``count`` windows at random (fixed seed): select and audit get a quarter each, at least 1 and at
+    most ``MAX_HELD_WINDOWS``; fit gets the rest. Fewer than 3 windows are refused; below 16 the note says that
+    select and audit rest on fewer than 4 windows each."""
+    if count < MIN_WINDOWS:
+        raise MlaconvError(f"calibration gives {count} window(s); at least {MIN_WINDOWS} are needed (to fit, to "
+                           "select and to audit): give more --calib-tokens or a shorter --calib-window")
+    held = min(MAX_HELD_WINDOWS, max(1, count // 4))
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
+    note = None
+    if held < 4:
+        note = (f"only {count} calibration windows: {held} select and {held} audit, so the choices and the audited "
+                "figures rest on little data (16 windows or more give 4 each)")
+    return WindowSplit(fit=tuple(sorted(order[2 * held :])), select=tuple(sorted(order[:held])),
+                       audit=tuple(sorted(order[held : 2 * held])), note=note)
+
+
 @dataclass
 class CalibrationOptions:
     tokens: torch.Tensor  # [B, S] token ids of the calibration windows
     device: str = "cpu"
     batch_size: int = 4
-    profile_windows: int = 16  # windows whose attention probabilities give the distance profile μ
+    profile_windows: int = 16  # fit windows whose attention probabilities give the distance profile μ
+    split: WindowSplit | None = None  # None: ``split_windows(B)``
+
+
+@dataclass(frozen=True)
+class MLARun:
+    """How a converted layer runs: its latent rank, rope dims, slot frequencies and residual rescale α."""
+
+    rank: int
+    rope_dim: int
+    slot_frequencies: torch.Tensor
+    residual_scale: float
 
 
 class SourceStreamer:
@@ -78,12 +129,14 @@ class SourceStreamer:
 
     Use ``stats(i, attention)`` to get layer i's input statistics, then ``advance(i, attention)`` to
     move the hidden states through layer i (its MLP weights are read then and dropped right after).
+    Converted models passed to ``advance`` are followed on the audit windows, for ``agreement``.
     """
 
     def __init__(self, reader: CheckpointReader, spec: SourceSpec, options: CalibrationOptions):
         self.reader, self.spec, self.options = reader, spec, options
         self.device = torch.device(options.device)
         self.heads = Heads(spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        self.split = options.split or split_windows(options.tokens.shape[0])
         self.weights = SourceWeights(reader, spec)  # the family's tensors in Llama's canonical layout
         embed = self.weights.tensor(None, EMBED)
         self.hidden = embed[options.tokens].to(torch.float32)  # [B, S, H] on CPU
@@ -93,7 +146,9 @@ class SourceStreamer:
         self.rotated_angles = rope_angles(self.freqs, length).to(self.device)
         self.still = torch.zeros_like(self.rotated_angles)  # a layer without RoPE
         self.next_layer = 0
-        self._held_out: tuple[int, torch.Tensor, torch.Tensor] | None = None  # layer, inputs, source outputs
+        self._pairs: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}  # set → layer, inputs, source outputs
+        self._audit_metric: tuple[int, torch.Tensor] | None = None
+        self.followed: dict[str, torch.Tensor] = {}  # converted models' residual streams on the audit windows
 
     @property
     def token_count(self) -> int:
@@ -102,107 +157,215 @@ class SourceStreamer:
     def _angles(self, attention: SourceAttention) -> torch.Tensor:
         return self.rotated_angles if attention.rotated else self.still
 
-    def _batches(self):
-        for start in range(0, self.hidden.shape[0], self.options.batch_size):
-            yield slice(start, start + self.options.batch_size)
+    def _batches(self, windows: Sequence[int]):
+        for start in range(0, len(windows), self.options.batch_size):
+            yield list(windows[start : start + self.options.batch_size])
 
-    def stats(self, i: int, attention: SourceAttention) -> LayerStats:
-        """Layer i's E[x xᵀ] [H, H] over all calibration tokens and its attention profile μ [N, F]."""
+    def _check_layer(self, i: int) -> None:
         if i != self.next_layer:
             raise RuntimeError(f"calibration is at layer {self.next_layer}, asked for layer {i}")
+
+    def _inputs(self, windows: list[int], weights: SourceAttention) -> torch.Tensor:
+        return rms_norm(self.hidden[windows].to(self.device), weights.input_norm, self.spec.rms_norm_eps)
+
+    def stats(self, i: int, attention: SourceAttention) -> LayerStats:
+        """Layer i's E[x xᵀ] [H, H] and attention profile μ [N, F], from the fit windows only.
+
+        E[x xᵀ] of the audit windows is accumulated too, for ``audit_metric``.
+        """
+        self._check_layer(i)
         weights = self._on_device(attention)
         H, S = self.spec.hidden_size, self.options.tokens.shape[1]
         moment = torch.zeros(H, H, dtype=torch.float64, device=self.device)
+        audit_moment = torch.zeros(H, H, dtype=torch.float64, device=self.device)
         by_distance = torch.zeros(self.spec.num_heads, S, dtype=torch.float64, device=self.device)
         profiled = 0
         with torch.no_grad():
-            for batch in self._batches():
-                x = rms_norm(self.hidden[batch].to(self.device), weights.input_norm, self.spec.rms_norm_eps)
+            for windows in self._batches(self.split.fit):
+                x = self._inputs(windows, weights)
                 moment += x.flatten(0, 1).T.double() @ x.flatten(0, 1).double()
                 if profiled < self.options.profile_windows:
                     by_distance += attention_by_distance(x, weights, self.heads, self._angles(attention)).double()
-                    profiled += x.shape[0]
+                    profiled += len(windows)
+            for windows in self._batches(self.split.audit):
+                x = self._inputs(windows, weights)
+                audit_moment += x.flatten(0, 1).T.double() @ x.flatten(0, 1).double()
         freqs = self.freqs if attention.rotated else torch.zeros_like(self.freqs)
         phases = torch.exp(-1j * torch.arange(S, dtype=torch.float64)[:, None] * freqs[None, :])  # [S, F]
         rotation_mean = (by_distance.cpu().to(torch.complex128) @ phases) / (profiled * S)
         rotation_mean[:, freqs == 0] = 1  # a pair that never turns keeps its whole alignment
-        return LayerStats(metric=(moment / self.token_count).cpu(), rotation_mean=rotation_mean)
+        self._audit_metric = (i, (audit_moment / max(1, len(self.split.audit) * S)).cpu())
+        return LayerStats(metric=(moment / (len(self.split.fit) * S)).cpu(), rotation_mean=rotation_mean)
+
+    def audit_metric(self, i: int) -> torch.Tensor:
+        """E[x xᵀ] [H, H] float64 of layer i's inputs on the audit windows (after ``stats(i, …)``)."""
+        if self._audit_metric is None or self._audit_metric[0] != i:
+            raise RuntimeError(f"no audit statistics for layer {i}: call stats({i}, …) first")
+        return self._audit_metric[1]
 
     def attention_error(self, i: int, attention: SourceAttention, converted: MLAAttention, rank: int,
-                        rope_dim: int, slot_frequencies: torch.Tensor, residual_scale: float) -> float:
-        """‖MLA(x)/α − source(x)‖² / ‖source(x)‖² of layer i's attention output on the held-out windows
-        (the first ``profile_windows``, which refinement never trains on).
+                        rope_dim: int, slot_frequencies: torch.Tensor, residual_scale: float,
+                        windows: str = "select") -> float:
+        """‖MLA(x)/α − source(x)‖² / ‖source(x)‖² of layer i's attention output on the ``windows`` set
+        ("select" or "audit"), both on the source's own inputs to the layer.
 
         α is the residual rescale folded into the converted o_proj. The converted layer reads its own
         input γ'⊙ĥ (its input norm γ' is a per-channel multiple of the source's γ, zero where γ is).
         """
-        if i != self.next_layer:
-            raise RuntimeError(f"calibration is at layer {self.next_layer}, asked for layer {i}")
-        mla = MLAAttention(**{name: t.to(self.device, torch.float32) if t is not None else None
-                              for name, t in vars(converted).items()})
+        self._check_layer(i)
+        run = MLARun(rank, rope_dim, slot_frequencies, residual_scale)
+        mla, angles = self._mla_on_device(converted), self._slot_angles(run)
         gamma = attention.input_norm.to(self.device, torch.float32)
         input_ratio = torch.where(gamma != 0, mla.input_norm / gamma, torch.zeros_like(gamma))
-        angles = rope_angles(slot_frequencies, self.options.tokens.shape[1]).to(self.device)
         error = total = 0.0
-        inputs, outputs = self._held_out_pairs(i, attention)
+        inputs, outputs = self._held_pairs(i, attention, windows)
         with torch.no_grad():
             for start in range(0, inputs.shape[0], self.options.batch_size):
                 batch = slice(start, start + self.options.batch_size)
-                x, reference = inputs[batch], outputs[batch]
-                approx = mla_attention(x * input_ratio, mla, self.heads, rank, rope_dim, angles) / residual_scale
+                reference = outputs[batch]
+                approx = self._converted_output(inputs[batch] * input_ratio, mla, run, angles)
                 error += (approx - reference).double().pow(2).sum().item()
                 total += reference.double().pow(2).sum().item()
         return error / total if total > 0 else 0.0
 
-    def _held_out_pairs(self, i: int, attention: SourceAttention) -> tuple[torch.Tensor, torch.Tensor]:
-        """The held-out windows' normalised inputs and layer i's source attention outputs, [P, S, H] each,
-        computed once per layer (for the layer the streamer is at, whose weights ``attention`` must be):
+    def _converted_output(self, x: torch.Tensor, mla: MLAAttention, run: MLARun, angles: torch.Tensor) -> torch.Tensor:
+        """A converted layer's attention output on its own normalised inputs x [B, S, H], in source units: every
+        converted output this module measures or follows is computed here."""
+        return mla_attention(x, mla, self.heads, run.rank, run.rope_dim, angles) / run.residual_scale
+
+    def _mla_on_device(self, converted: MLAAttention) -> MLAAttention:
+        return MLAAttention(**{name: t.to(self.device, torch.float32) if t is not None else None
+                               for name, t in vars(converted).items()})
+
+    def _slot_angles(self, run: MLARun) -> torch.Tensor:
+        return rope_angles(run.slot_frequencies, self.options.tokens.shape[1]).to(self.device)
+
+    def _held_pairs(self, i: int, attention: SourceAttention, windows: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The select or audit windows' normalised inputs and layer i's source attention outputs, [P, S, H]
+        each, computed once per layer (for the layer the streamer is at, whose weights ``attention`` must be):
         every variant of the layer, and its refinement, are measured against the same outputs."""
-        if self._held_out is None or self._held_out[0] != i:
-            self._held_out = None  # drop the previous layer's pairs before computing these
+        indices = {"select": self.split.select, "audit": self.split.audit}[windows]
+        cached = self._pairs.get(windows)
+        if cached is None or cached[0] != i:
+            self._pairs.pop(windows, None)  # drop the previous layer's pairs before computing these
             weights = self._on_device(attention)
-            held = self.hidden[: self.options.profile_windows]
-            inputs = torch.empty(held.shape, dtype=torch.float32, device=self.device)
-            outputs = torch.empty(held.shape, dtype=torch.float32, device=self.device)
+            shape = (len(indices), *self.hidden.shape[1:])
+            inputs = torch.empty(shape, dtype=torch.float32, device=self.device)
+            outputs = torch.empty(shape, dtype=torch.float32, device=self.device)
             with torch.no_grad():
-                for start in range(0, held.shape[0], self.options.batch_size):
+                for start in range(0, len(indices), self.options.batch_size):
                     batch = slice(start, start + self.options.batch_size)
-                    inputs[batch] = rms_norm(held[batch].to(self.device), weights.input_norm, self.spec.rms_norm_eps)
+                    inputs[batch] = self._inputs(list(indices[batch]), weights)
                     outputs[batch] = source_attention(inputs[batch], weights, self.heads, self._angles(attention))
-            self._held_out = (i, inputs, outputs)
-        return self._held_out[1], self._held_out[2]
+            self._pairs[windows] = cached = (i, inputs, outputs)
+        return cached[1], cached[2]
 
     def refinement_data(self, i: int, attention: SourceAttention, windows: int):
-        """(x, source attention output) pairs [B, S, H] for refining layer i: up to ``windows`` training
-        windows after the profiling windows, and the profiling windows themselves held out. None when
-        the calibration set has no windows beyond the held-out ones."""
-        if i != self.next_layer:
-            raise RuntimeError(f"calibration is at layer {self.next_layer}, asked for layer {i}")
-        held = min(self.options.profile_windows, self.hidden.shape[0])
-        if self.hidden.shape[0] <= held:
-            return None
+        """(x, source attention output) pairs [B, S, H] for refining layer i: the first ``windows`` fit
+        windows to train on, and the select windows to choose the best step on."""
+        self._check_layer(i)
         weights = self._on_device(attention)
         with torch.no_grad():
-            x = rms_norm(self.hidden[held : held + windows].to(self.device), weights.input_norm,
-                         self.spec.rms_norm_eps).float()
+            x = self._inputs(list(self.split.fit[:windows]), weights).float()
             train = (x, source_attention(x, weights, self.heads, self._angles(attention)))
-        return train, self._held_out_pairs(i, attention)
+        return train, self._held_pairs(i, attention, "select")
 
     def _on_device(self, attention: SourceAttention) -> SourceAttention:
         return attention.cast(self.device, torch.float32)
 
-    def advance(self, i: int, attention: SourceAttention) -> None:
+    def advance(self, i: int, attention: SourceAttention, converted: dict[str, MLAAttention] | None = None,
+                run: MLARun | None = None) -> None:
         """Move the hidden states through source layer i (attention + MLP): every layer is calibrated on
-        the source model's own activations."""
-        self._held_out = None
+        the source model's own activations.
+
+        ``converted`` names layer i of converted models (run as ``run`` says): each one's residual stream on
+        the audit windows moves through that attention and the source MLP. A model named for the first time
+        starts from the stream of the first one named (at layer 0: from the embeddings).
+        """
+        self._check_layer(i)
+        self._pairs.clear()
+        self._audit_metric = None
         attention = self._on_device(attention)
         mlp = self.weights.mlp(i, self.device, torch.float32)
         eps = self.spec.rms_norm_eps
+        converted = converted or {}
+        for name in converted:
+            if name not in self.followed:
+                if not self.followed and i > 0:
+                    raise RuntimeError(f"a converted model must be followed from layer 0, not {i}")
+                start = next(iter(self.followed.values())) if self.followed else self.hidden[list(self.split.audit)]
+                self.followed[name] = start.clone()
+        angles = self._slot_angles(run) if converted else None
         with torch.no_grad():
-            for batch in self._batches():
+            for start in range(0, self.hidden.shape[0], self.options.batch_size):
+                batch = slice(start, start + self.options.batch_size)
                 h = self.hidden[batch].to(self.device)
-                x = rms_norm(h, attention.input_norm, eps).to(torch.float32)
+                x = rms_norm(h, attention.input_norm, eps).float()
                 h = h + source_attention(x, attention, self.heads, self._angles(attention))
-                h = h + mlp_block(h, mlp, eps)
-                self.hidden[batch] = h.cpu()
+                self.hidden[batch] = (h + mlp_block(h, mlp, eps)).cpu()
+            for name, layer in converted.items():
+                stream, mla = self.followed[name], self._mla_on_device(layer)
+                for start in range(0, stream.shape[0], self.options.batch_size):
+                    batch = slice(start, start + self.options.batch_size)
+                    h = stream[batch].to(self.device)
+                    h = h + self._converted_output(rms_norm(h, mla.input_norm, eps).float(), mla, run, angles)
+                    stream[batch] = (h + mlp_block(h, mlp, eps)).cpu()
         self.next_layer = i + 1
+
+    def agreement(self, progress: Progress = no_progress, tokens_per_chunk: int = 4096,
+                  logits_per_block: int = 2**22) -> dict[str, dict[str, float]]:
+        """KL(source ‖ model) per token and top-1 agreement of each followed model against the source on the
+        audit windows, after the last layer (final norm, then the head).
+
+        The head is read once and used in blocks of vocabulary rows, in float32; the softmax normalisers and
+        KL(p‖q) = E_p[s − m] − log Z_s + log Z_m are accumulated over the blocks, so no [tokens, vocab] matrix
+        is ever whole.
+        """
+        if self.next_layer != self.spec.num_layers:
+            raise RuntimeError(f"calibration is at layer {self.next_layer}, not past the last layer")
+        eps = self.spec.rms_norm_eps
+        norm = self.weights.tensor(None, FINAL_NORM).to(self.device, torch.float32)
+        head = self.weights.tensor(None, LM_HEAD)  # [V, H], source dtype, with what the family folds into it
+        audit = list(self.split.audit)
+        streams = {"source": self.hidden[audit], **self.followed}
+        flat = {name: h.flatten(0, 1) for name, h in streams.items()}  # [T, H] views
+        total = flat["source"].shape[0]
+        kl = {name: 0.0 for name in self.followed}
+        agree = {name: 0 for name in self.followed}
+        with torch.no_grad():
+            chunks = range(0, total, tokens_per_chunk)
+            for start in progress(chunks, "whole-model check on the audit windows", len(chunks)):
+                rows = {name: rms_norm(h[start : start + tokens_per_chunk].to(self.device), norm, eps).float()
+                        for name, h in flat.items()}
+                chunk_kl, chunk_agree = _chunk_agreement(rows, head, max(1, logits_per_block // len(rows["source"])))
+                for name in self.followed:
+                    kl[name] += chunk_kl[name]
+                    agree[name] += chunk_agree[name]
+        return {name: {"kl": kl[name] / total, "top1": agree[name] / total} for name in self.followed}
+
+
+def _chunk_agreement(rows: dict[str, torch.Tensor], head: torch.Tensor, block: int):
+    """Σ over the tokens of KL(source ‖ model) and of top-1 agreement, for final hidden states [t, H] of the
+    source and each model, with the head used ``block`` vocabulary rows at a time."""
+    t, device = rows["source"].shape[0], rows["source"].device
+    models = [name for name in rows if name != "source"]
+    lse = {name: torch.full((t,), -torch.inf, dtype=torch.float64, device=device) for name in rows}  # log Σ exp
+    weighted = {name: torch.zeros(t, dtype=torch.float64, device=device) for name in models}  # Σ e^(s − lse_s)(s − m)
+    best = {name: torch.full((t,), -torch.inf, dtype=torch.float64, device=device) for name in rows}
+    arg = {name: torch.zeros(t, dtype=torch.long, device=device) for name in rows}
+    for first in range(0, head.shape[0], block):
+        rows_of_head = head[first : first + block].to(device, torch.float32)
+        logits = {name: (x @ rows_of_head.T).double() for name, x in rows.items()}  # [t, b]
+        for name, z in logits.items():
+            top, where = z.max(-1)
+            better = top > best[name]
+            best[name], arg[name] = torch.where(better, top, best[name]), torch.where(better, where + first, arg[name])
+        previous = lse["source"]
+        lse["source"] = torch.logaddexp(previous, logits["source"].logsumexp(-1))
+        p = (logits["source"] - lse["source"][:, None]).exp()  # the source softmax, up to the blocks still to come
+        for name in models:
+            weighted[name] = weighted[name] * (previous - lse["source"]).exp() + (p * (logits["source"] - logits[name])).sum(-1)
+            lse[name] = torch.logaddexp(lse[name], logits[name].logsumexp(-1))
+    kl = {name: (weighted[name] - lse["source"] + lse[name]).sum().item() for name in models}
+    agree = {name: (arg[name] == arg["source"]).sum().item() for name in models}
+    return kl, agree

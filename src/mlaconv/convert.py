@@ -20,28 +20,27 @@ import transformers
 
 from mlaconv import __version__, deepseek
 from mlaconv.arch import SourceSpec
-from mlaconv.calibrate import CalibrationOptions, SourceStreamer, load_calibration_tokens
 from mlaconv.errors import MlaconvError
 from mlaconv.evaluate import TokenSource, evaluate_perplexity
 from mlaconv.families import SourceWeights
 from mlaconv.io import (CheckpointReader, ShardedWriter, atomic_output_dir, check_free_space, check_output_target,
                         read_config, resolve_source)
+from mlaconv.io.pending import PendingTensors
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
 from mlaconv.model_card import write_model_card
 from mlaconv.models import DTYPES, check_device, default_device
 from mlaconv.progress import Progress, no_progress
 from mlaconv.mla import rope
 from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, MLAAttention, SourceAttention,
-                                   assemble, convert_attention, factor_attention, full_rank, key_energies)
+                                   convert_attention, full_rank, key_energies)
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, LATENT_NORM_EPS
-from mlaconv.mla.refine import CHECK_EVERY, refine, refinement_flops
+from mlaconv.mla.refine import CHECK_EVERY
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
     "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
 )
 DEFAULT_ROPE_DIM = 64
-SEARCH_WINDOWS = 8  # calibration windows the --kv-keep split search measures on
 
 
 @dataclass
@@ -67,9 +66,9 @@ class ConvertOptions:
     device: str | None = None  # calibration, refinement (None: cuda when torch sees one) and the evaluation
     layer_search: bool = True  # calibrated: keep, per layer, the variant with the least measured error
     refine_steps: int | None = None  # calibrated: gradient steps per layer (None: 200 when it is affordable)
-    refine_windows: int = 16  # calibration windows those steps train on (others are held out)
+    refine_windows: int = 16  # fit windows those steps train on (at most)
     refine_batch: int = 4  # windows per step when refine_steps is given (the default plan chooses its own)
-    refine_check_every: int = CHECK_EVERY  # steps between held-out measurements when refine_steps is given
+    refine_check_every: int = CHECK_EVERY  # steps between select-window measurements when refine_steps is given
     absorbed: bool = False  # also write the absorbed inference weights into OUT/absorbed
     recipe: str | None = None
     eval_text: str | None = None
@@ -235,7 +234,7 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
 
         check_recipe(load_recipe(options.recipe), spec)
     shapes = plan_shapes(spec, options.rank, options.kv_keep, options.rope_dim)
-    searched = options.calibrated and options.kv_keep is not None and options.rope_dim is None  # see search_shapes
+    searched = options.calibrated and options.kv_keep is not None and options.rope_dim is None  # see calibrated.search_shapes
     if (options.rope_stride is not None and not searched
             and options.rope_stride not in rope.strides(spec.rotary_dim, shapes.rope_dim)):
         raise MlaconvError(f"--rope-stride {options.rope_stride} does not fit {shapes.rope_dim} rope dims in "
@@ -265,91 +264,63 @@ def with_rope_stride(plan: Plan, progress: Progress = no_progress) -> Plan:
     return replace(plan, layer=replace(plan.layer, rope_stride=stride))
 
 
-def calibration_streamer(plan: Plan, options: ConvertOptions, windows: int | None = None) -> SourceStreamer | None:
-    """The layer-by-layer source forward over the calibration windows (the first ``windows`` of them),
-    when calibration was asked for."""
-    if not options.calibrated:
-        return None
-    tokens = load_calibration_tokens(plan.folder, plan.spec, options.calib, options.calib_dataset,
-                                     options.calib_tokens, options.calib_window)[:windows]
-    return SourceStreamer(plan.reader, plan.spec,
-                          CalibrationOptions(tokens, options.calibration_device, options.calib_batch_size))
-
-
-def search_shapes(plan: Plan, options: ConvertOptions, progress: Progress = no_progress) -> tuple[Plan, dict]:
-    """Choose the (r, R) split of a --kv-keep budget by the attention error it measures on calibration data.
-
-    One streamed pass over a few calibration windows converts every layer at every candidate split
-    (``shape_candidates``) and sums the relative attention-output errors; the split with the least
-    total wins. Returns the plan with those shapes and the table behind the choice.
-    """
-    candidates = [c for c in shape_candidates(plan.spec, options.kv_keep)
-                  if options.rope_stride is None or options.rope_stride in rope.strides(plan.spec.rotary_dim, c.rope_dim)]
-    if not candidates:
-        raise MlaconvError(f"--rope-stride {options.rope_stride} fits none of the rope dims this budget allows")
-    if len(candidates) == 1 and candidates[0] == plan.shapes:
-        return plan, {"candidates": [], "chosen": None}
-    spec = plan.spec
-    strides = ({c.rope_dim: plan.layer.rope_stride for c in candidates} if plan.layer.rope_stride is not None else
-               rope_strides(plan.reader, spec, plan.shape, plan.layer, [c.rope_dim for c in candidates], progress))
-    layers = {c: replace(plan.layer, rank=c.rank, rope_dim=c.rope_dim, rope_stride=strides[c.rope_dim])
-              for c in candidates}
-    streamer = calibration_streamer(plan, options, windows=SEARCH_WINDOWS)
-    freqs = spec.rope_frequencies(streamer.options.tokens.shape[1])  # LongRoPE: as at the calibration length
-    errors = {c: 0.0 for c in candidates}
-    for i in progress(range(spec.num_layers), "choosing r and R", spec.num_layers):
-        src = read_attention(plan.reader, spec, i)
-        stats = streamer.stats(i, src)
-        for c, layer in layers.items():
-            mla, _ = convert_attention(src, plan.shape, calibrated_layer_options(layer), stats)
-            slots = freqs[rope.kept_frequencies(c.rope_dim, layer.rope_stride)]
-            errors[c] += streamer.attention_error(i, src, mla, c.rank, c.rope_dim, slots, layer.residual_scale)
-        streamer.advance(i, src)
-    best = min(candidates, key=lambda c: errors[c])
-    table = [{"kv_lora_rank": c.rank, "qk_rope_head_dim": c.rope_dim, "mean_attention_error": errors[c] / spec.num_layers}
-             for c in candidates]
-    reason = (f"{best.rank} + {best.rope_dim} of a budget of {int(options.kv_keep * spec.kv_elements_per_token_per_layer)}"
-              f" elements: the least mean attention error ({errors[best] / spec.num_layers:.4f}) of "
-              f"{len(candidates)} splits measured on {streamer.options.tokens.shape[0]} calibration windows")
-    chosen = Shapes(rank=best.rank, rope_dim=best.rope_dim, reason=reason)
-    return replace(plan, shapes=chosen, layer=layers[best]), {"candidates": table, "chosen": reason}
-
-
 def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = no_progress) -> dict:
     """Convert ``source`` into an MLA checkpoint at ``out``; return the report (a JSON-able dict)."""
     started = time.perf_counter()
     out = Path(out)
     plan = plan_conversion(source, options)
-    folder, spec, reader, shapes = plan.folder, plan.spec, plan.reader, plan.shapes
+    folder, spec, reader = plan.folder, plan.spec, plan.reader
     dtype = output_dtype(spec, options.dtype)
     check_output_target(out, folder, options.force)
-    check_free_space(out.parent, _estimate_output_bytes(spec, shapes, dtype, options.absorbed))
-    shape_search = None
-    if options.calibrated and options.kv_keep is not None and options.rope_dim is None:  # the split is measured
-        plan, shape_search = search_shapes(plan, options, progress)
-        shapes = plan.shapes
-    streamer = calibration_streamer(plan, options)
-    refinement = refinement_plan(plan, options, streamer)
+    check_free_space(out.parent, _estimate_output_bytes(spec, plan.shapes, dtype, options.absorbed))
+    streamer = shape_search = None
+    if options.calibrated:
+        from mlaconv import calibrated
+
+        tokens = calibrated.calibration_tokens(plan, options)
+        if options.kv_keep is not None and options.rope_dim is None:  # the split is measured
+            plan, shape_search = calibrated.search_shapes(plan, options, tokens, progress)
+        streamer = calibrated.calibration_streamer(plan, options, tokens)
+        refinement = calibrated.refinement_plan(plan, options, streamer)
     plan = with_rope_stride(plan, progress)
-    lopts, shape, alpha = plan.layer, plan.shape, plan.layer.residual_scale
+    shapes, lopts, shape, alpha = plan.shapes, plan.layer, plan.shape, plan.layer.residual_scale
     reports: list[LayerReport] = []
     attention_bias = spec.qkv_bias or spec.o_bias
 
     with atomic_output_dir(out, force=options.force) as tmp:
         writer = ShardedWriter(tmp, options.shard_size)  # writes each tensor as it is added
         write_outer_tensors(writer, reader, spec, alpha, dtype)
+        if streamer:
+            records, pending = [], PendingTensors(tmp / ".pending")
+            run = calibrated.layer_run(spec, lopts, streamer.options.tokens.shape[1])
         for i in progress(range(spec.num_layers), "converting layers", spec.num_layers):
             src = read_attention(reader, spec, i)
             if streamer:
-                mla, report = best_calibrated_layer(i, src, plan, streamer, options.layer_search, refinement,
-                                                    options.refine_windows)
-                streamer.advance(i, src)
+                layer = calibrated.calibrate_layer(i, src, plan, streamer, options.layer_search, refinement,
+                                                   options.refine_windows)
+                streamer.advance(i, src, calibrated.followed_models(layer, streamer.followed), run)
+                records.append(layer.record)
+                if layer.refined is None:
+                    write_attention(writer, spec, i, layer.closed, dtype)
+                else:  # written once the whole-model check has chosen
+                    pending.put(i, {calibrated.CLOSED: _attention_tensors(spec, layer.closed, dtype),
+                                    calibrated.REFINED: _attention_tensors(spec, layer.refined, dtype)})
+                del layer, src
+                write_mlp_and_norm(writer, reader, spec, i, alpha, dtype)
             else:
                 mla, report = convert_attention(src, shape, lopts)
-            reports.append(report)
-            del src
-            write_layer(writer, reader, spec, i, mla, alpha, dtype)
-            del mla
+                reports.append(report)
+                del src
+                write_layer(writer, reader, spec, i, mla, alpha, dtype)
+                del mla
+        if streamer:
+            agreement = streamer.agreement(progress)
+            written, reason = calibrated.written_model(agreement)
+            for i in list(pending.keys):
+                for name, tensor in pending.take(i, written).items():
+                    writer.add(deepseek.layer_prefix(i) + name, tensor)
+            reports = [r.refined if written == calibrated.REFINED and r.refined is not None else r.closed
+                       for r in records]
         writer.finish()
         reader.close()
 
@@ -368,10 +339,8 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             report["shape_search"] = shape_search
         if streamer:
             report["mode"] = "calibrated"
-            report["calibration"] = {"windows": streamer.options.tokens.shape[0],
-                                     "window": streamer.options.tokens.shape[1], "tokens": streamer.token_count,
-                                     "refine_steps": refinement.steps, "refine_batch": refinement.batch,
-                                     "refinement": refinement.note}
+            report["calibration"] = calibrated.calibration_report(streamer, refinement, records, agreement, written,
+                                                                  reason)
         if options.verify:
             from mlaconv.verify import verify
 
@@ -426,126 +395,6 @@ def _evaluate(converted: Path, source: Path, out: Path, options: ConvertOptions,
     return result
 
 
-def calibrated_layer_options(layer: LayerOptions) -> LayerOptions:
-    """The calibrated variant: whitened metric, measured attention profile, query-weighted RoPE mixing."""
-    return replace(layer, query_weighted_rope=True)
-
-
-def calibrated_candidates(layer: LayerOptions, search: bool) -> list[tuple[str, LayerOptions, bool]]:
-    """The per-layer variants calibration measures: (label, options, use the calibration statistics).
-
-    With ``search`` the weights-only variant is among them, so a calibrated layer is never measurably
-    worse; without it only the calibrated variant runs (what ``inspect spectra --calib`` shows).
-    """
-    calibrated = calibrated_layer_options(layer)
-    if not search:
-        return [("calibrated", calibrated, True)]
-    return [
-        ("weights-only", layer, False),
-        ("calibrated", calibrated, True),
-        ("calibrated, attention-weighted latent", replace(calibrated, latent_weighting="attention"), True),
-    ]
-
-
-DEFAULT_REFINE_STEPS = 200
-DEFAULT_REFINE_BATCH = 4  # calibration windows per refinement step
-MIN_REDUCED_STEPS = 25  # below this a reduced refinement is not worth running (see bench/README.md)
-# What refinement assumes a CPU sustains when it estimates its own cost. Conservative: on the 2 cores this was
-# developed on, steps on a Qwen2.5-0.5B-shaped layer (2048-token windows) ran 1.5–2.3× faster than estimated.
-CPU_FLOPS = 5e10
-AUTO_REFINE_SECONDS = 1800  # the default refinement on a CPU must be estimated to take less than this
-
-
-@dataclass(frozen=True)
-class RefinementPlan:
-    steps: int  # gradient steps per layer (0: none)
-    batch: int  # calibration windows per step
-    note: str  # why, for the report
-    check_every: int = CHECK_EVERY  # steps between two measurements on the held-out windows
-
-
-def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreamer | None) -> RefinementPlan:
-    """How much refinement to run per layer, and why.
-
-    The default is 200 steps of 4 windows, measured on the held-out windows every 10 steps. On a CPU, where
-    that is estimated above 30 minutes, it is reduced to steps of one window, measured once at the end, as
-    many as fit in 30 minutes (at least 25: on the bench models 25 such steps removed 58–74% of the closed
-    form's PPL drift at 50% and 75% KV cuts), else skipped; the note says which.
-    """
-    if streamer is None:
-        return RefinementPlan(0, DEFAULT_REFINE_BATCH, "no calibration data")
-    windows, window = streamer.options.tokens.shape
-    if options.refine_steps == 0:
-        return RefinementPlan(0, DEFAULT_REFINE_BATCH, "off (--refine-steps 0)")
-    if windows <= streamer.options.profile_windows:
-        return RefinementPlan(0, DEFAULT_REFINE_BATCH, (
-            f"skipped: no calibration windows beyond the {streamer.options.profile_windows} held out "
-            "to measure it (give more calibration tokens)"))
-    if options.refine_steps is not None:
-        return RefinementPlan(options.refine_steps, options.refine_batch, "set by --refine-steps",
-                              check_every=options.refine_check_every)
-
-    def seconds(steps: int, batch: int, check_every: int) -> float:
-        """Estimated CPU time of the whole refinement: the steps, and the held-out measurements (forward only,
-        ⅓ of a step's work) before the first step and every ``check_every`` steps."""
-        def flops(count: int) -> float:
-            return refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, count * window, window)
-
-        checks = 1 + -(-steps // check_every)
-        work = steps * flops(batch) + checks * flops(min(windows, streamer.options.profile_windows)) / 3
-        return plan.spec.num_layers * work / CPU_FLOPS
-
-    full = seconds(DEFAULT_REFINE_STEPS, DEFAULT_REFINE_BATCH, CHECK_EVERY)
-    if options.calibration_device.startswith("cuda") or full <= AUTO_REFINE_SECONDS:
-        return RefinementPlan(DEFAULT_REFINE_STEPS, DEFAULT_REFINE_BATCH, "default")
-    fits = [n for n in range(MIN_REDUCED_STEPS, DEFAULT_REFINE_STEPS + 1) if seconds(n, 1, n) <= AUTO_REFINE_SECONDS]
-    advice = (f"pass --refine-steps {DEFAULT_REFINE_STEPS} to run the full refinement anyway, or calibrate with "
-              "--device cuda")
-    if fits:
-        steps = fits[-1]
-        return RefinementPlan(steps, 1, (f"reduced: {steps} steps of one window, about 30 min on this CPU by estimate "
-                                         f"(the full {DEFAULT_REFINE_STEPS} steps of {DEFAULT_REFINE_BATCH} would take "
-                                         f"about {full / 3600:.1f} h); {advice}"), check_every=steps)
-    least = seconds(MIN_REDUCED_STEPS, 1, MIN_REDUCED_STEPS)
-    return RefinementPlan(0, DEFAULT_REFINE_BATCH, (
-        f"skipped: even {MIN_REDUCED_STEPS} steps of one window would take about {least / 3600:.1f} h on this CPU "
-        f"by estimate (the full refinement {full / 3600:.1f} h); {advice}"))
-
-
-def best_calibrated_layer(i: int, src: SourceAttention, plan: Plan, streamer: SourceStreamer, search: bool = True,
-                          refinement: RefinementPlan | None = None, refine_windows: int = 16):
-    """Convert layer i each way ``calibrated_candidates`` lists and keep the one with the least
-    attention-output error measured on the held-out calibration windows; then, with ``refinement`` steps,
-    refine it by gradient steps on other calibration windows and keep that only if it measures better."""
-    stats = streamer.stats(i, src)
-    spec, layer = plan.spec, plan.layer
-    freqs = spec.rope_frequencies(streamer.options.tokens.shape[1])  # LongRoPE: as at the calibration length
-    slots = freqs[rope.kept_frequencies(layer.rope_dim, layer.rope_stride)]
-
-    def measured(latent):
-        mla, bound = assemble(latent, plan.shape, layer, src.input_norm, stats.metric)
-        return mla, bound, streamer.attention_error(i, src, mla, layer.rank, layer.rope_dim, slots, layer.residual_scale)
-
-    best = None
-    for label, options, use_stats in calibrated_candidates(layer, search):
-        latent, report = factor_attention(src, plan.shape, options, stats if use_stats else None)
-        mla, report.latent_bound, report.attention_error = measured(latent)
-        report.variant = label
-        if best is None or report.attention_error < best[2].attention_error:
-            best = (latent, mla, report)
-    latent, mla, report = best
-    data = streamer.refinement_data(i, src, refine_windows) if refinement and refinement.steps else None
-    if data is not None:
-        result = refine(latent, plan.shape, layer.rope_dim, slots, *data, steps=refinement.steps, batch=refinement.batch,
-                        check_every=refinement.check_every)
-        if result.after < result.before:
-            refined_mla, bound, error = measured(result.latent)
-            if error < report.attention_error:
-                mla, report.latent_bound, report.attention_error = refined_mla, bound, error
-                report.variant += ", refined"
-    return mla, report
-
-
 def rope_strides(reader: CheckpointReader, spec: SourceSpec, shape: AttentionShape, layer: LayerOptions,
                  rope_dims: list[int], progress: Progress = no_progress) -> dict[int, int]:
     """One frequency grid per candidate R for the whole model (the config has one rope_theta), from the weights.
@@ -578,23 +427,36 @@ def write_outer_tensors(writer: ShardedWriter, reader: CheckpointReader, spec: S
     writer.add(deepseek.FINAL_NORM, weights.tensor(None, deepseek.FINAL_NORM).to(dtype))
 
 
+def _attention_tensors(spec: SourceSpec, mla: MLAAttention, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Layer i's converted attention and its input norm as output tensors (names without the layer prefix), in
+    ``dtype``. Biases go in whenever the source has any."""
+    tensors = {deepseek.INPUT_NORM: mla.input_norm, deepseek.Q_PROJ: mla.q_proj, deepseek.KV_A_PROJ: mla.kv_a_proj,
+               deepseek.KV_A_NORM: mla.kv_a_norm, deepseek.KV_B_PROJ: mla.kv_b_proj, deepseek.O_PROJ: mla.o_proj}
+    if spec.qkv_bias or spec.o_bias:
+        tensors[deepseek.KV_A_BIAS] = mla.kv_a_bias if mla.kv_a_bias is not None else torch.zeros(mla.kv_a_proj.shape[0])
+        tensors[deepseek.O_BIAS] = mla.o_bias if mla.o_bias is not None else torch.zeros(spec.hidden_size)
+    return {name: tensor.to(dtype) for name, tensor in tensors.items()}
+
+
+def write_attention(writer: ShardedWriter, spec: SourceSpec, i: int, mla: MLAAttention, dtype: torch.dtype) -> None:
+    """Layer i's converted attention ``mla`` (α is already in its o_proj)."""
+    for name, tensor in _attention_tensors(spec, mla, dtype).items():
+        writer.add(deepseek.layer_prefix(i) + name, tensor)
+
+
 def write_layer(writer: ShardedWriter, reader: CheckpointReader, spec: SourceSpec, i: int, mla: MLAAttention,
                 alpha: float, dtype: torch.dtype) -> None:
-    """Layer i of the output: the converted attention ``mla`` and its input norm, then the source MLP
-    (down_proj scaled by α) and post-attention norm, read and written one tensor at a time. Biases go in
-    whenever the source has any."""
+    """Layer i of the output: the converted attention ``mla`` with its input norm, then the source MLP and
+    post-attention norm."""
+    write_attention(writer, spec, i, mla, dtype)
+    write_mlp_and_norm(writer, reader, spec, i, alpha, dtype)
+
+
+def write_mlp_and_norm(writer: ShardedWriter, reader: CheckpointReader, spec: SourceSpec, i: int, alpha: float,
+                       dtype: torch.dtype) -> None:
+    """Layer i's source MLP (down_proj scaled by α) and post-attention norm, read and written one tensor at a time,
+    with what the family folds into them (``SourceWeights``)."""
     weights, p = SourceWeights(reader, spec), deepseek.layer_prefix(i)
-    writer.add(p + deepseek.INPUT_NORM, mla.input_norm.to(dtype))
-    writer.add(p + deepseek.Q_PROJ, mla.q_proj.to(dtype))
-    writer.add(p + deepseek.KV_A_PROJ, mla.kv_a_proj.to(dtype))
-    writer.add(p + deepseek.KV_A_NORM, mla.kv_a_norm.to(dtype))
-    writer.add(p + deepseek.KV_B_PROJ, mla.kv_b_proj.to(dtype))
-    writer.add(p + deepseek.O_PROJ, mla.o_proj.to(dtype))
-    if spec.qkv_bias or spec.o_bias:
-        kv_a_bias = mla.kv_a_bias if mla.kv_a_bias is not None else torch.zeros(mla.kv_a_proj.shape[0])
-        o_bias = mla.o_bias if mla.o_bias is not None else torch.zeros(spec.hidden_size)
-        writer.add(p + deepseek.KV_A_BIAS, kv_a_bias.to(dtype))
-        writer.add(p + deepseek.O_BIAS, o_bias.to(dtype))
     for name in (deepseek.GATE_PROJ, deepseek.UP_PROJ):
         writer.add(p + name, weights.tensor(i, name).to(dtype))
     weights.release()
@@ -679,6 +541,7 @@ def _report(spec: SourceSpec, shapes: Shapes, config: dict, reports: list[LayerR
         "attention_error": [r.attention_error for r in reports],
         "layer_variant": [r.variant for r in reports],
         "value_error": [r.value_error for r in reports],
+        "objective_retained": [r.objective_retained for r in reports],
         "latent_norm": {"eps": LATENT_NORM_EPS, "delta": options.delta,
                         "max_bound": max(r.latent_bound for r in reports)},
         "residual_scale": residual_scale,

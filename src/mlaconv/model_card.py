@@ -37,7 +37,7 @@ def render_model_card(report: dict) -> str:
     """The model card as Markdown text."""
     sections = [
         _front_matter(report), _introduction(report), _kv_cache(report), _settings(report), _per_layer(report),
-        _verification(report.get("verify")), _evaluation(report.get("eval")), _serving(report),
+        _whole_model(report.get("calibration")), _verification(report.get("verify")), _evaluation(report.get("eval")), _serving(report),
         _usage(report), _quality(report),
     ]
     return "\n\n".join(section for section in sections if section) + "\n"
@@ -68,7 +68,12 @@ def _introduction(report: dict) -> str:
     how = "weights only (no calibration data)" if mode == "weights-only" else mode
     if calibration:
         how += (f", on {calibration['tokens']:,} calibration tokens ({calibration['windows']} windows of "
-                f"{calibration['window']})")
+                f"{calibration['window']}")
+        sets = calibration.get("window_sets")
+        if sets:
+            how += (f": {len(sets['fit'])} to fit, {len(sets['select'])} to select, {len(sets['audit'])} to audit; "
+                    "the window indices are in `mlaconv.json`")
+        how += ")"
         refined = sum("refined" in v for v in report.get("layer_variant", []))
         if refined:
             how += (f", with {refined} of {len(report['layer_variant'])} layers refined by gradient steps on their own "
@@ -138,18 +143,23 @@ def _per_layer(report: dict) -> str:
     columns = {name: values for name, values in columns.items() if values and None not in values}
     variants = report.get("layer_variant") or []
     calibrated_note = (
-        "Calibrated: each layer kept the conversion variant with the least attention error measured on "
-        "held-out calibration windows (*attention error*, ‖MLA − source‖² / ‖source‖² of the layer's output); "
-        "the energy and key/value figures describe that variant's closed-form factorization in its own metric"
-        + (", before the gradient refinement some layers then received (the attention error is after it)"
-           if any("refined" in v for v in variants) else "") + "."
+        "Calibrated: each layer kept the conversion variant with the least attention error on the select "
+        "calibration windows; every figure in this table is measured on the audit windows, which the fit "
+        "and every per-layer choice never saw, for the layers as written"
+        + (" (refined layers measured after their refinement; the energy and key/value errors compare them "
+           "with the source's keys and values, which refinement does not aim at)"
+           if any("refined" in v for v in variants) else "")
+        + ". *Attention error*: ‖MLA − source‖² / ‖source‖² of the layer's attention output, on the source's "
+        "own inputs to the layer."
     )
     lines = [
         "## Approximation per layer",
         "",
-        "*Latent energy retained*: share of the (balanced) energy of the non-rotated keys and the values "
-        "that the rank-r latent keeps. *RoPE energy kept*: share of the key energy that stays rotated in "
-        "the shared R-dim key. *Key / value error*: relative error of the keys and values through the latent. "
+        "*Latent energy retained*: 1 − the balanced relative error of the non-rotated keys and the values "
+        "through the rank-r latent (keys and values scaled to equal energy, so it is 1 − the mean of the key "
+        "and value errors), whatever variant a layer kept. *RoPE energy kept*: share of the key energy that "
+        "stays rotated in the shared R-dim key. *Key / value error*: relative error of the keys and values "
+        "through the latent, in the metric of the layer's inputs. "
         + (calibrated_note if report.get("mode") == "calibrated"
            else "Weights-only: the input is taken as isotropic after the input norm."),
         "",
@@ -164,6 +174,29 @@ def _per_layer(report: dict) -> str:
         lines.append(f"| {i} | " + " | ".join(f"{value:.4f}" for value in row) + " |" + variant)
     means = [sum(values) / len(values) for values in columns.values()]
     lines.append("| **mean** | " + " | ".join(f"**{value:.4f}**" for value in means) + " |" + (" |" if variants else ""))
+    return "\n".join(lines)
+
+
+def _whole_model(calibration: dict | None) -> str:
+    whole = (calibration or {}).get("whole_model")
+    if not whole:
+        return ""
+    lines = [
+        "## Whole-model check",
+        "",
+        f"The closed-form conversion and, where layers were refined, the refined one were run end to end on the "
+        f"{whole['windows']} audit windows ({whole['tokens']:,} tokens) against the source (final norm and head "
+        f"included) while converting. Written: **{whole['written']}**, because {whole['reason']}.",
+        "",
+        "| model | KL(source ‖ model) per token | top-1 agreement |",
+        "|---|---:|---:|",
+    ]
+    for name in ("closed form", "refined"):
+        figures = whole.get(name)
+        lines.append(f"| {name}{' (written)' if name == whole['written'] else ''} | "
+                     + (f"{_metric('kl', figures['kl'])} | {_metric('top1', figures['top1'])} |" if figures
+                        else "— | — (no layer refined) |"))
+    lines += ["", "The choice between these two models is the only one the audit windows made."]
     return "\n".join(lines)
 
 
@@ -298,6 +331,8 @@ def _usage(report: dict) -> str:
 
 def _quality(report: dict) -> str:
     measured = ["the per-layer approximation figures"]
+    if (report.get("calibration") or {}).get("whole_model"):
+        measured.append("the whole-model check on the audit windows")
     check = report.get("verify")
     if check and "skipped" not in check:
         measured.append(f"the built-in check on {check.get('tokens', '?')} tokens")

@@ -2,11 +2,17 @@
 
 For every layer this runs the very analysis ``convert`` runs (``analyse_layer`` with the options of
 ``layer_options`` and the model-wide stride of ``with_rope_stride``) and reports the spectrum of
-the exact matrix the latent truncates: its singular values, the energy kept at chosen ranks, the
-rank each energy target needs, and the RoPE energy the shared key keeps. ``convert --rank r`` with
-the same settings reports the same ``energy_retained`` per layer: always weights-only; calibrated, for
-every layer whose kept variant is the plain whitened one (convert also tries others per layer, and its
-``layer_variant`` says which each layer kept).
+the matrix the latent truncates: its singular values, the energy kept at chosen ranks, the
+rank each energy target needs, and the RoPE energy the shared key keeps.
+
+What it shows (the report's ``shows`` says it too): weights-only, exactly what ``convert`` keeps, and
+``convert --rank r`` reports the same ``energy_retained`` per layer. With calibration, one variant at one
+split: the plain calibrated variant (E[x xᵀ] and μ from convert's fit windows, balanced latent) at the
+default (r, R) split of --kv-keep. ``convert`` also measures the weights-only and the attention-weighted
+variants per layer and, for --kv-keep, other splits, and keeps per layer what its select windows favour
+(its ``layer_variant`` and ``shape_search`` say what); where it keeps this variant unrefined, it reports the
+same ``energy_retained``: both measure it on the audit windows. ``energy_curve`` and ``rank_for_energy``
+are the spectrum itself, i.e. in-sample (the fit windows) when calibrated.
 
 Weights are read lazily, one layer's attention at a time, so a 70B model fits on a laptop.
 """
@@ -22,10 +28,11 @@ from typing import Callable
 import torch
 
 from mlaconv import __version__
-from mlaconv.convert import (ConvertOptions, Shapes, calibrated_layer_options, calibration_streamer,
-                             model_full_rank, plan_conversion, read_attention, with_rope_stride)
+from mlaconv.calibrated import calibrated_layer_options, calibration_streamer
+from mlaconv.convert import ConvertOptions, Shapes, model_full_rank, plan_conversion, read_attention, with_rope_stride
 from mlaconv.errors import MlaconvError
-from mlaconv.mla.attention import LayerAnalysis, LayerStats, SourceAttention, analyse_layer
+from mlaconv.mla import latent as latent_math
+from mlaconv.mla.attention import LayerAnalysis, LayerStats, SourceAttention, analyse_layer, latent_errors
 from mlaconv.progress import Progress, no_progress
 
 DEFAULT_ENERGY_TARGETS = (0.9, 0.95, 0.99)
@@ -105,15 +112,17 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
         layers = []
         for i in progress(range(spec.num_layers), "analysing layers", spec.num_layers):
             src = read_attention(reader, spec, i)
+            audit = None
             if streamer:
-                stats = streamer.stats(i, src)
+                stats, audit = streamer.stats(i, src), streamer.audit_metric(i)
                 streamer.advance(i, src)
             else:
                 stats = stats_for_layer(i, src) if stats_for_layer else None
             layer_options = calibrated_layer_options(plan.layer) if calibrated else plan.layer
-            layers.append(_layer_entry(i, analyse_layer(src, plan.shape, layer_options, stats), ranks,
-                                       options.energy_targets, full))
-            del src, stats
+            analysis = analyse_layer(src, plan.shape, layer_options, stats)
+            energy = _audited_energy(analysis, src, stats.metric, audit, ranks) if audit is not None else None
+            layers.append(_layer_entry(i, analysis, ranks, options.energy_targets, full, energy))
+            del src, stats, analysis
     finally:
         reader.close()
     lopts = plan.layer
@@ -123,6 +132,8 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
         "source": str(folder),
         "architecture": spec.family.label,
         "mode": "calibrated" if calibrated else "weights-only",
+        "shows": _shows(calibrated, streamer is not None, options.kv_keep is not None),
+        "window_sets": _window_sets(streamer),
         "settings": {k: v for k, v in asdict(options).items() if k not in ("ranks", "energy_targets")},
         "num_layers": spec.num_layers,
         "hidden_size": spec.hidden_size,
@@ -164,8 +175,42 @@ def _ranks(requested: list[int] | None, full: int, recommended: Shapes | None) -
     return sorted(ranks)
 
 
-def _layer_entry(i: int, analysis: LayerAnalysis, ranks: list[int], targets: tuple[float, ...], full: int) -> dict:
-    """One layer's row of the report; the spectrum is cut at the full rank (what lies beyond is zero)."""
+def _shows(calibrated: bool, audited: bool, budget: bool) -> str:
+    """What the spectra are of, in words, for the report."""
+    if not calibrated:
+        return "weights-only: what convert keeps with these options (energy_retained as convert reports it)"
+    text = ("the plain calibrated variant (whitened metric, measured attention profile, balanced latent)"
+            + (" at the default (r, R) split" if budget else "") + "; convert also measures other variants per layer"
+            + (" and other splits" if budget else "") + " and keeps what its select windows favour (its layer_variant "
+            "says what). energy_curve and rank_for_energy: the spectrum, in-sample")
+    if audited:
+        return text + " (fit windows); energy_retained: measured on the audit windows, as convert reports it"
+    return text + "; energy_retained: the spectrum's, in-sample (statistics given directly, no audit windows)"
+
+
+def _window_sets(streamer) -> dict | None:
+    if streamer is None:
+        return None
+    split = streamer.split
+    return {"fit": list(split.fit), "select": list(split.select), "audit": list(split.audit), "note": split.note}
+
+
+def _audited_energy(analysis: LayerAnalysis, src: SourceAttention, metric: torch.Tensor, audit: torch.Tensor,
+                    ranks: list[int]) -> list[float]:
+    """energy_retained at each rank as convert measures it: the latent factored in ``metric`` (the fit windows),
+    its balanced [K_nope; V] error measured in ``audit`` (the audit windows)."""
+    d = analysis.k_nope.shape[0]
+    energies = []
+    for rank in ranks:
+        lat = latent_math.factor(analysis.target, analysis.row_weight, metric, rank, analysis.spectrum)
+        energies.append(latent_errors(analysis.k_nope, src.v, lat.up[:d], lat.up[d:], lat.down, audit)[2])
+    return energies
+
+
+def _layer_entry(i: int, analysis: LayerAnalysis, ranks: list[int], targets: tuple[float, ...], full: int,
+                 energy: list[float] | None = None) -> dict:
+    """One layer's row of the report; the spectrum is cut at the full rank (what lies beyond is zero).
+    ``energy``: energy_retained per rank when measured apart from the spectrum (on audit windows)."""
     spectrum, choice = analysis.spectrum, analysis.choice
     singular = spectrum.values[:full].sqrt()
     top = singular[0].item()
@@ -173,7 +218,7 @@ def _layer_entry(i: int, analysis: LayerAnalysis, ranks: list[int], targets: tup
     needed = [rank_for_energy(curve, t) for t in targets]
     return {
         "layer": i,
-        "energy_retained": [spectrum.energy(r) for r in ranks],
+        "energy_retained": energy if energy is not None else [spectrum.energy(r) for r in ranks],
         "rank_for_energy": needed,
         "rank_fraction_for_energy": [r / full for r in needed],
         "rope_energy_kept": analysis.rope_energy_kept,

@@ -99,7 +99,7 @@ def render_report(report: dict, console) -> None:
             f"{c['kv_lora_rank']} + {c['qk_rope_head_dim']}: {c['mean_attention_error']:.4f}" for c in search["candidates"]
         ) + " (mean attention error)")
     calibrated = report.get("calibration") is not None
-    table = Table(title="per layer", show_lines=False)
+    table = Table(title="per layer" + (", measured on the audit windows" if calibrated else ""), show_lines=False)
     columns = ["layer", "latent energy", "RoPE energy kept", "key error", "value error"]
     for column in columns + (["attention error", "variant"] if calibrated else []):
         table.add_column(column, justify="left" if column == "variant" else "right", overflow="fold")
@@ -115,8 +115,17 @@ def render_report(report: dict, console) -> None:
     if calibrated:
         calibration = report["calibration"]
         steps = f" ({calibration['refine_steps']} steps a layer)" if calibration["refine_steps"] else ""
-        line(console, f"calibration: {calibration['windows']} windows of {calibration['window']} tokens; refinement: "
+        sets = calibration["window_sets"]
+        line(console, f"calibration: {calibration['windows']} windows of {calibration['window']} tokens "
+                      f"({len(sets['fit'])} fit, {len(sets['select'])} select, {len(sets['audit'])} audit); refinement: "
                       f"{escape(calibration['refinement'])}{steps}")
+        if sets["note"]:
+            line(console, f"[yellow]note:[/] {escape(sets['note'])}")
+        whole = calibration["whole_model"]
+        models = "; ".join(f"{name} KL {whole[name]['kl']:.4g}, top-1 {whole[name]['top1']:.2%}"
+                           for name in ("closed form", "refined") if whole[name])
+        line(console, f"whole model on the {whole['windows']} audit windows ({whole['tokens']} tokens): {models}; "
+                      f"written: {whole['written']} ({escape(whole['reason'])})")
     check = report.get("verify")
     if check and "error" in check:
         line(console, f"[yellow]check:[/] {escape(check['error'])} (the checkpoint was kept)")

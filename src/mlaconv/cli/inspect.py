@@ -39,15 +39,20 @@ def spectra(
 ) -> None:
     """Per layer: how much of K/V the latent keeps at each rank, and how much RoPE energy the shared key keeps.
 
-    The spectrum is that of the exact matrix convert truncates (the balanced
-    [K_nope; V] in the input metric; weights-only), so `convert --rank r`
-    reports the same energy for the same settings. Weights are read one
+    The spectrum is that of the matrix convert truncates (the balanced
+    [K_nope; V] in the input metric). Weights-only it is exactly what
+    convert keeps, and `convert --rank r` reports the same energy. With
+    --calib it is the plain calibrated variant at the default split
+    (convert also tries other variants and splits on its select windows):
+    energy_retained is measured on the audit windows as convert measures
+    it, the spectrum is in-sample; "shows" says which. Weights are read one
     layer at a time. --kv-keep adds its recommended rank to the ranks.
 
     JSON keys (--json; "per rank" lists follow ranks, "per target" lists
     follow energy_targets):
       mlaconv_version, source, architecture, mode (weights-only|calibrated),
-      settings, num_layers, hidden_size, num_kv_heads, head_dim,
+      shows (what the figures are of, in words), window_sets (with --calib:
+      fit, select, audit window indices and a note; else null), settings, num_layers, hidden_size, num_kv_heads, head_dim,
       kv_elements_per_token_per_layer, qk_rope_head_dim (R), rope_stride,
       matrix_rows (2·n_kv·d), full_rank, ranks, energy_targets, seconds;
       layers (one object per layer):

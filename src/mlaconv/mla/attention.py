@@ -98,7 +98,7 @@ class MLAAttention:
 
 @dataclass
 class LayerReport:
-    energy_retained: float  # latent: fraction of (balanced) [K_nope; V] energy kept at rank r
+    energy_retained: float  # latent: 1 − the balanced [K_nope; V] relative error (``latent_errors``)
     rope_energy_kept: float  # fraction of key energy that stays rotated
     rope_energy_kept_per_frequency: list[float]
     rope_loss_weighted_kept: float
@@ -109,6 +109,7 @@ class LayerReport:
     dropped_bias: list[str] = field(default_factory=list)  # bias terms no stock DeepSeek tensor can hold
     attention_error: float | None = None  # measured on calibration windows: ‖MLA − source‖²/‖source‖²
     variant: str = "weights-only"  # which conversion variant this layer kept
+    objective_retained: float | None = None  # 1 − the relative error in the variant's own latent weighting
 
 
 @dataclass(frozen=True)
@@ -309,6 +310,7 @@ class LatentAttention:
     o: torch.Tensor  # [H, N·d]
     k_rope_bias: torch.Tensor | None = None  # [R]
     o_bias: torch.Tensor | None = None  # [H], W_o·b_v (+ the source's o bias)
+    k_nope_target: torch.Tensor | None = None  # [n_kv·d, H] the key remainders up_k·down approximates
 
     def trainable(self) -> dict[str, torch.Tensor]:
         return {"q_nope": self.q_nope, "q_rope": self.q_rope, "down": self.down, "k_rope": self.k_rope,
@@ -353,19 +355,42 @@ def factor_attention(src: SourceAttention, shape: AttentionShape, options: Layer
     latent = LatentAttention(
         q_nope=nope_query(src.q, shape, stats) * q_scale, q_rope=q_rope * q_scale, down=lat.down,
         k_rope=rope.interleave(layer.shared), up_k=up_k, up_v=up_v, o=src.o, k_rope_bias=k_rope_bias, o_bias=o_bias,
+        k_nope_target=k_nope,
     )
+    key_error, value_error, energy = latent_errors(k_nope, src.v, up_k, up_v, lat.down, stats.metric)
     report = LayerReport(
-        energy_retained=lat.energy,
+        energy_retained=energy,
         rope_energy_kept=layer.rope_energy_kept,
         rope_energy_kept_per_frequency=choice.energy_kept_per_frequency,
         rope_loss_weighted_kept=choice.loss_weighted_kept,
         rope_stride=choice.stride,
-        key_error=latent_math.relative_error(k_nope, up_k @ lat.down, stats.metric),
-        value_error=latent_math.relative_error(src.v, up_v @ lat.down, stats.metric),
+        key_error=key_error,
+        value_error=value_error,
         latent_bound=float("nan"),
         dropped_bias=dropped,
+        objective_retained=lat.energy,
     )
     return latent, report
+
+
+def latent_errors(k_nope: torch.Tensor, v: torch.Tensor, up_k: torch.Tensor, up_v: torch.Tensor, down: torch.Tensor,
+                  metric: torch.Tensor) -> tuple[float, float, float]:
+    """(key_error, value_error, energy_retained) of a latent c = down·x for the NoPE keys k_nope ≈ up_k·c and the
+    values v ≈ up_v·c, in ``metric``.
+
+    energy_retained is 1 − the balanced [K_nope; V] relative error: with K_nope and V scaled to equal energy
+    that is 1 − the mean of the key and value errors (a block without energy, such as MQA keys that all stay
+    rotated, is left out, as the balanced latent leaves it out). One definition for every variant; for the
+    balanced latent in its own metric it equals the spectrum's energy at rank r. What a variant's own weighting
+    keeps is ``LayerReport.objective_retained``.
+    """
+    down = down.to(torch.float64)
+    blocks = [(k_nope.to(torch.float64), up_k.to(torch.float64) @ down), (v.to(torch.float64), up_v.to(torch.float64) @ down)]
+    energies = [metric_math.total_energy(target, metric) for target, _ in blocks]
+    errors = [metric_math.total_energy(target - approx, metric) / energy if energy > 0 else 0.0
+              for (target, approx), energy in zip(blocks, energies)]
+    kept = [error for error, energy in zip(errors, energies) if energy > 1e-9 * max(energies)]
+    return errors[0], errors[1], (1 - sum(kept) / len(kept)) if kept else 1.0
 
 
 def assemble(latent: LatentAttention, shape: AttentionShape, options: LayerOptions, gamma: torch.Tensor,

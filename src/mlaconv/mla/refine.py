@@ -4,8 +4,9 @@ The closed-form conversion optimises proxies (K/V reconstruction, rotation left 
 model sees is the attention output, a nonlinear function of all the factors at once. Starting from
 the closed form, a few hundred Adam steps on ‖MLA(x) − source(x)‖² / ‖source(x)‖² over calibration
 windows move the factors (queries, down- and up-projections, the shared RoPE key) towards what the
-attention actually needs; W_o and the biases stay fixed. The result is kept only if it lowers the
-error on held-out calibration windows. Shapes: x [B, S, H]; N heads, n_kv KV heads, d, R, r.
+attention actually needs; W_o and the biases stay fixed. The steps train on the calibration's fit
+windows; the best step is chosen, and kept only if it beats the closed form, on its select windows (never
+the ones that train it). Shapes: x [B, S, H]; N heads, n_kv KV heads, d, R, r.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from mlaconv.mla.attention import AttentionShape, LatentAttention
 from mlaconv.mla.rope import rotate_interleaved
 
-CHECK_EVERY = 10  # steps between two measurements on the held-out windows
+CHECK_EVERY = 10  # steps between two measurements on the select windows
 
 
 def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentAttention, shape: AttentionShape,
@@ -43,21 +44,22 @@ def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentA
 @dataclass
 class Refinement:
     latent: LatentAttention
-    before: float  # held-out relative attention error of the closed form
-    after: float  # … of the refined layer (== before when refinement did not help)
+    before: float  # relative attention error of the closed form on the select windows
+    after: float  # … of the best step (== before when no step did better)
     steps: int
 
 
 def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_frequencies: torch.Tensor,
-           train: tuple[torch.Tensor, torch.Tensor], held_out: tuple[torch.Tensor, torch.Tensor],
+           train: tuple[torch.Tensor, torch.Tensor], select: tuple[torch.Tensor, torch.Tensor],
            steps: int, lr: float = 3e-3, check_every: int = CHECK_EVERY, batch: int = 4, seed: int = 0) -> Refinement:
     """Adam on the trainable factors of ``latent``; (x, source output) pairs as [B, S, H] float32 tensors.
 
     Each step uses ``batch`` training windows drawn with a fixed seed; each factor's learning rate is
-    ``lr`` times its RMS, so steps are relative to the factor's scale.
+    ``lr`` times its RMS, so steps are relative to the factor's scale. Every ``check_every`` steps (and after
+    the last) the error on ``select`` is measured; the best measured state, the closed form included, is returned.
     """
     x_train, y_train = train
-    x_held, y_held = held_out
+    x_select, y_select = select
     device, S = x_train.device, x_train.shape[1]
     angles = torch.arange(S, dtype=torch.float64, device=device)[:, None] * slot_frequencies.to(device)[None, :]
     cos, sin = angles.cos().float(), angles.sin().float()
@@ -72,7 +74,7 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
         return (latent_attention(x, params, fixed, shape, rope_dim, cos, sin) - y).pow(2).sum() / y.pow(2).sum()
 
     with torch.no_grad():
-        before = best = error(x_held, y_held).item()
+        before = best = error(x_select, y_select).item()
     best_params = {name: t.detach().clone() for name, t in params.items()}
     generator = torch.Generator().manual_seed(seed)
     for step in range(1, steps + 1):
@@ -82,9 +84,9 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
         optimizer.step()
         if step % check_every == 0 or step == steps:
             with torch.no_grad():
-                held = error(x_held, y_held).item()
-            if held < best:
-                best = held
+                measured = error(x_select, y_select).item()
+            if measured < best:
+                best = measured
                 best_params = {name: t.detach().clone() for name, t in params.items()}
     refined = replace(latent, **{name: t.to("cpu", torch.float64) for name, t in best_params.items()})
     return Refinement(latent=refined, before=before, after=best, steps=steps)

@@ -1,0 +1,292 @@
+"""The calibrated conversion's policy: which variant each layer keeps, the (r, R) split of a --kv-keep budget,
+how much refinement runs, and which of the closed-form and refined models is written.
+
+The calibration windows are split into fit, select and audit sets (``calibrate.split_windows``). The
+factorizations and the refinement's gradient steps see fit windows only; every choice below is made on
+select windows; every figure the report gives is measured on audit windows. The audit windows choose one
+thing only, at the very end: which of two whole models, the closed form or the refined one, is written
+(KL to the source, ``SourceStreamer.agreement``); the report gives both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from mlaconv.calibrate import CalibrationOptions, MLARun, SourceStreamer, WindowSplit, load_calibration_tokens, split_windows
+from mlaconv.convert import ConvertOptions, Plan, Shapes, read_attention, rope_strides, shape_candidates
+from mlaconv.errors import MlaconvError
+from mlaconv.mla import rope
+from mlaconv.mla.attention import (LayerOptions, LayerReport, MLAAttention, SourceAttention, assemble, convert_attention,
+                                   factor_attention, latent_errors)
+from mlaconv.mla.refine import CHECK_EVERY, refine, refinement_flops
+from mlaconv.progress import Progress, no_progress
+
+DEFAULT_REFINE_STEPS = 200
+DEFAULT_REFINE_BATCH = 4  # calibration windows per refinement step
+MIN_REDUCED_STEPS = 25  # below this a reduced refinement is not worth running (see bench/README.md)
+# What refinement assumes a CPU sustains when it estimates its own cost. Conservative: on the 2 cores this was
+# developed on, steps on a Qwen2.5-0.5B-shaped layer (2048-token windows) ran 1.5–2.3× faster than estimated.
+CPU_FLOPS = 5e10
+AUTO_REFINE_SECONDS = 1800  # the default refinement on a CPU must be estimated to take less than this
+SEARCH_FIT_WINDOWS = 8  # fit windows the --kv-keep split search factors on (it measures on the select windows)
+CLOSED, REFINED = "closed form", "refined"  # the two whole models the audit compares
+
+
+def calibration_tokens(plan: Plan, options: ConvertOptions) -> torch.Tensor | None:
+    """The [B, S] calibration windows, when calibration was asked for."""
+    if not options.calibrated:
+        return None
+    return load_calibration_tokens(plan.folder, plan.spec, options.calib, options.calib_dataset,
+                                   options.calib_tokens, options.calib_window)
+
+
+def calibration_streamer(plan: Plan, options: ConvertOptions, tokens: torch.Tensor | None = None,
+                         split: WindowSplit | None = None) -> SourceStreamer | None:
+    """The layer-by-layer source forward over the calibration windows (loaded unless given), when calibration
+    was asked for; ``split`` defaults to ``split_windows`` of all of them."""
+    tokens = tokens if tokens is not None else calibration_tokens(plan, options)
+    if tokens is None:
+        return None
+    return SourceStreamer(plan.reader, plan.spec, CalibrationOptions(tokens, options.calibration_device,
+                                                                     options.calib_batch_size, split=split))
+
+
+def calibrated_layer_options(layer: LayerOptions) -> LayerOptions:
+    """The calibrated variant: whitened metric, measured attention profile, query-weighted RoPE mixing."""
+    return replace(layer, query_weighted_rope=True)
+
+
+def calibrated_candidates(layer: LayerOptions, search: bool) -> list[tuple[str, LayerOptions, bool]]:
+    """The per-layer variants calibration measures: (label, options, use the calibration statistics).
+
+    With ``search`` the weights-only variant is among them, so a calibrated layer never measures worse on the
+    select windows; without it only the calibrated variant runs (what ``inspect spectra --calib`` shows).
+    """
+    calibrated = calibrated_layer_options(layer)
+    if not search:
+        return [("calibrated", calibrated, True)]
+    return [
+        ("weights-only", layer, False),
+        ("calibrated", calibrated, True),
+        ("calibrated, attention-weighted latent", replace(calibrated, latent_weighting="attention"), True),
+    ]
+
+
+def layer_run(spec, layer: LayerOptions, length: int) -> MLARun:
+    """How a converted layer with these options runs on windows of ``length`` tokens (its rope slots at their
+    source frequencies; LongRoPE's as at that length)."""
+    freqs = spec.rope_frequencies(length)
+    slots = freqs[rope.kept_frequencies(layer.rope_dim, layer.rope_stride)]
+    return MLARun(layer.rank, layer.rope_dim, slots, layer.residual_scale)
+
+
+def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
+                  progress: Progress = no_progress) -> tuple[Plan, dict]:
+    """Choose the (r, R) split of a --kv-keep budget by the attention error it measures on the select windows.
+
+    One streamed pass over a few fit windows (which the factorizations use) and the select windows (which
+    measure) converts every layer at every candidate split (``shape_candidates``) and sums the relative
+    attention-output errors; the split with the least total wins. Returns the plan with those shapes and
+    the table behind the choice.
+    """
+    candidates = [c for c in shape_candidates(plan.spec, options.kv_keep)
+                  if options.rope_stride is None or options.rope_stride in rope.strides(plan.spec.rotary_dim, c.rope_dim)]
+    if not candidates:
+        raise MlaconvError(f"--rope-stride {options.rope_stride} fits none of the rope dims this budget allows")
+    if len(candidates) == 1 and candidates[0] == plan.shapes:
+        return plan, {"candidates": [], "chosen": None}
+    spec = plan.spec
+    strides = ({c.rope_dim: plan.layer.rope_stride for c in candidates} if plan.layer.rope_stride is not None else
+               rope_strides(plan.reader, spec, plan.shape, plan.layer, [c.rope_dim for c in candidates], progress))
+    layers = {c: replace(plan.layer, rank=c.rank, rope_dim=c.rope_dim, rope_stride=strides[c.rope_dim])
+              for c in candidates}
+    split = split_windows(tokens.shape[0])
+    fit, select = list(split.fit[:SEARCH_FIT_WINDOWS]), list(split.select)
+    streamer = calibration_streamer(plan, options, tokens[fit + select], WindowSplit(
+        fit=tuple(range(len(fit))), select=tuple(range(len(fit), len(fit) + len(select))), audit=()))
+    errors = {c: 0.0 for c in candidates}
+    for i in progress(range(spec.num_layers), "choosing r and R", spec.num_layers):
+        src = read_attention(plan.reader, spec, i)
+        stats = streamer.stats(i, src)
+        for c, layer in layers.items():
+            mla, _ = convert_attention(src, plan.shape, calibrated_layer_options(layer), stats)
+            run = layer_run(spec, layer, tokens.shape[1])
+            errors[c] += streamer.attention_error(i, src, mla, run.rank, run.rope_dim, run.slot_frequencies,
+                                                  run.residual_scale, windows="select")
+        streamer.advance(i, src)
+    best = min(candidates, key=lambda c: errors[c])
+    table = [{"kv_lora_rank": c.rank, "qk_rope_head_dim": c.rope_dim, "mean_attention_error": errors[c] / spec.num_layers}
+             for c in candidates]
+    reason = (f"{best.rank} + {best.rope_dim} of a budget of {int(options.kv_keep * spec.kv_elements_per_token_per_layer)}"
+              f" elements: the least mean attention error ({errors[best] / spec.num_layers:.4f}) of "
+              f"{len(candidates)} splits, factored on {len(fit)} fit windows and measured on {len(select)} select windows")
+    chosen = Shapes(rank=best.rank, rope_dim=best.rope_dim, reason=reason)
+    return replace(plan, shapes=chosen, layer=layers[best]), {"candidates": table, "chosen": reason,
+                                                              "windows": {"fit": fit, "select": select}}
+
+
+@dataclass(frozen=True)
+class RefinementPlan:
+    steps: int  # gradient steps per layer (0: none)
+    batch: int  # calibration windows per step
+    note: str  # why, for the report
+    check_every: int = CHECK_EVERY  # steps between two measurements on the select windows
+
+
+def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreamer | None) -> RefinementPlan:
+    """How much refinement to run per layer, and why.
+
+    The default is 200 steps of 4 fit windows, measured on the select windows every 10 steps. On a CPU, where
+    that is estimated above 30 minutes, it is reduced to steps of one window, measured once at the end, as
+    many as fit in 30 minutes (at least 25: on the bench models 25 such steps removed 58–74% of the closed
+    form's PPL drift at 50% and 75% KV cuts), else skipped; the note says which.
+    """
+    if streamer is None:
+        return RefinementPlan(0, DEFAULT_REFINE_BATCH, "no calibration data")
+    if options.refine_steps == 0:
+        return RefinementPlan(0, DEFAULT_REFINE_BATCH, "off (--refine-steps 0)")
+    if options.refine_steps is not None:
+        return RefinementPlan(options.refine_steps, options.refine_batch, "set by --refine-steps",
+                              check_every=options.refine_check_every)
+    window = streamer.options.tokens.shape[1]
+    selected = len(streamer.split.select)
+
+    def seconds(steps: int, batch: int, check_every: int) -> float:
+        """Estimated CPU time of the whole refinement: the steps, and the select-window measurements (forward
+        only, ⅓ of a step's work) before the first step and every ``check_every`` steps."""
+        def flops(count: int) -> float:
+            return refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, count * window, window)
+
+        checks = 1 + -(-steps // check_every)
+        work = steps * flops(batch) + checks * flops(selected) / 3
+        return plan.spec.num_layers * work / CPU_FLOPS
+
+    full = seconds(DEFAULT_REFINE_STEPS, DEFAULT_REFINE_BATCH, CHECK_EVERY)
+    if options.calibration_device.startswith("cuda") or full <= AUTO_REFINE_SECONDS:
+        return RefinementPlan(DEFAULT_REFINE_STEPS, DEFAULT_REFINE_BATCH, "default")
+    fits = [n for n in range(MIN_REDUCED_STEPS, DEFAULT_REFINE_STEPS + 1) if seconds(n, 1, n) <= AUTO_REFINE_SECONDS]
+    advice = (f"pass --refine-steps {DEFAULT_REFINE_STEPS} to run the full refinement anyway, or calibrate with "
+              "--device cuda")
+    if fits:
+        steps = fits[-1]
+        return RefinementPlan(steps, 1, (f"reduced: {steps} steps of one window, about 30 min on this CPU by estimate "
+                                         f"(the full {DEFAULT_REFINE_STEPS} steps of {DEFAULT_REFINE_BATCH} would take "
+                                         f"about {full / 3600:.1f} h); {advice}"), check_every=steps)
+    least = seconds(MIN_REDUCED_STEPS, 1, MIN_REDUCED_STEPS)
+    return RefinementPlan(0, DEFAULT_REFINE_BATCH, (
+        f"skipped: even {MIN_REDUCED_STEPS} steps of one window would take about {least / 3600:.1f} h on this CPU "
+        f"by estimate (the full refinement {full / 3600:.1f} h); {advice}"))
+
+
+@dataclass
+class LayerRecord:
+    """What the report keeps of one calibrated layer: figures measured on the audit windows, and the choices."""
+
+    closed: LayerReport  # the closed form kept on the select windows
+    refined: LayerReport | None  # the refined layer, when refinement ran and beat the closed form there
+    selection: dict  # what the select windows measured: each variant's attention error, the refinement's
+
+
+@dataclass
+class CalibratedLayer:
+    closed: MLAAttention
+    refined: MLAAttention | None
+    record: LayerRecord
+
+
+def calibrate_layer(i: int, src: SourceAttention, plan: Plan, streamer: SourceStreamer, search: bool = True,
+                    refinement: RefinementPlan | None = None, refine_windows: int = 16) -> CalibratedLayer:
+    """Convert layer i each way ``calibrated_candidates`` lists and keep the one with the least attention-output
+    error on the select windows; with ``refinement`` steps, refine it on fit windows (best step chosen on the
+    select windows) and keep that too if it beats the closed form there. Every reported figure is then
+    re-measured on the audit windows, for the closed form and the refined layer alike."""
+    stats = streamer.stats(i, src)
+    audit_metric = streamer.audit_metric(i)
+    layer, run = plan.layer, layer_run(plan.spec, plan.layer, streamer.options.tokens.shape[1])
+
+    def error(mla: MLAAttention, windows: str) -> float:
+        return streamer.attention_error(i, src, mla, run.rank, run.rope_dim, run.slot_frequencies,
+                                        run.residual_scale, windows=windows)
+
+    def audited(latent, mla: MLAAttention, report: LayerReport) -> LayerReport:
+        key_error, value_error, energy = latent_errors(latent.k_nope_target, src.v, latent.up_k, latent.up_v,
+                                                       latent.down, audit_metric)
+        return replace(report, key_error=key_error, value_error=value_error, energy_retained=energy,
+                       attention_error=error(mla, "audit"))
+
+    measured: dict[str, float] = {}
+    best = None
+    for label, options, use_stats in calibrated_candidates(layer, search):
+        latent, report = factor_attention(src, plan.shape, options, stats if use_stats else None)
+        mla, report.latent_bound = assemble(latent, plan.shape, layer, src.input_norm, stats.metric)
+        measured[label] = error(mla, "select")
+        if best is None or measured[label] < measured[best[0]]:
+            best = (label, latent, mla, replace(report, variant=label))
+    label, latent, closed, report = best
+    selection = {"variants": measured, "kept": label, "refinement": None}
+    layer_result = CalibratedLayer(closed, None, LayerRecord(audited(latent, closed, report), None, selection))
+    if refinement is not None and refinement.steps:
+        train, select = streamer.refinement_data(i, src, refine_windows)
+        result = refine(latent, plan.shape, run.rope_dim, run.slot_frequencies, train, select, steps=refinement.steps,
+                        batch=refinement.batch, check_every=refinement.check_every)
+        kept = result.after < result.before
+        selection["refinement"] = {"before": result.before, "after": result.after, "kept": kept}
+        if kept:
+            refined, bound = assemble(result.latent, plan.shape, layer, src.input_norm, stats.metric)
+            layer_result.refined = refined
+            layer_result.record.refined = audited(result.latent, refined, replace(
+                report, variant=f"{label}, refined", latent_bound=bound, objective_retained=None))
+    return layer_result
+
+
+def followed_models(layer: CalibratedLayer, followed: dict) -> dict[str, MLAAttention]:
+    """This layer of each whole model the audit follows: the closed form always; the refined model from its
+    first refined layer on (before that it is the closed form), with the closed form where a layer was not refined."""
+    models = {CLOSED: layer.closed}
+    if layer.refined is not None or REFINED in followed:
+        models[REFINED] = layer.refined if layer.refined is not None else layer.closed
+    return models
+
+
+def written_model(agreement: dict[str, dict[str, float]]) -> tuple[str, str]:
+    """Which whole model to write, and why: the refined one only if its KL to the source on the audit windows is
+    lower than the closed form's."""
+    if REFINED not in agreement:
+        return CLOSED, "no layer was refined"
+    closed, refined = agreement[CLOSED]["kl"], agreement[REFINED]["kl"]
+    if refined < closed:
+        return REFINED, f"the refined model's KL on the audit windows is lower ({refined:.4g} < {closed:.4g})"
+    return CLOSED, (f"the refined model was rejected: its KL on the audit windows is not lower ({refined:.4g} ≥ "
+                    f"{closed:.4g}), so every layer is written in closed form")
+
+
+def layer_figures(reports: list[LayerReport | None]) -> dict:
+    """Per-layer audit figures of one whole model (None where it has no layer of its own)."""
+    def column(name: str) -> list:
+        return [getattr(r, name) if r is not None else None for r in reports]
+
+    return {"attention_error": column("attention_error"), "energy_retained": column("energy_retained"),
+            "key_error": column("key_error"), "value_error": column("value_error"), "layer_variant": column("variant"),
+            "objective_retained": column("objective_retained")}
+
+
+def calibration_report(streamer: SourceStreamer, refinement: RefinementPlan, layers: list[LayerRecord],
+                       agreement: dict, written: str, reason: str) -> dict:
+    """The report's ``calibration`` section: the window sets, what was chosen on the select windows, and the audit
+    figures of both whole models."""
+    split = streamer.split
+    windows, window = streamer.options.tokens.shape
+    return {
+        "windows": windows, "window": window, "tokens": streamer.token_count,
+        "window_sets": {"fit": list(split.fit), "select": list(split.select), "audit": list(split.audit),
+                        "note": split.note},
+        "refine_steps": refinement.steps, "refine_batch": refinement.batch, "refinement": refinement.note,
+        "selection": [layer.selection for layer in layers],
+        "closed_form": layer_figures([layer.closed for layer in layers]),
+        "refined": layer_figures([layer.refined for layer in layers]),
+        "whole_model": {"windows": len(split.audit), "tokens": len(split.audit) * window,
+                        CLOSED: agreement[CLOSED], REFINED: agreement.get(REFINED),
+                        "written": written, "reason": reason},
+    }

@@ -122,11 +122,8 @@ def test_zero_biases_export_and_nonzero_biases_are_refused(tmp_path):
 
 
 def test_q8_0_penalty_exact_and_lossy(stories_lossy, tmp_path):
-    """q8_0 through gguf-py costs little perplexity on the source-equivalent (exact) and the lossy export alike.
-
-    Without the rounding guard the tiny latent rows of attn_kv_a_mqa (~1e-7) underflow q8_0's
-    f16 block scales; the guard keeps those tensors in f32 (and any other whose rows f16 or q8_0 lose).
-    """
+    """q8_0 through gguf-py costs little perplexity on the source-equivalent (exact) and the lossy export alike,
+    with every matrix rounded: the conversion's input scale keeps attn_kv_a_mqa's rows within q8_0's range."""
     src = make_model(tmp_path / "src", kv_heads=1, head_dim=16, hidden=128)
     exact = run_convert(src, tmp_path / "exact", rank=16, rope_dim=16)
     penalties = {}
@@ -134,23 +131,49 @@ def test_q8_0_penalty_exact_and_lossy(stories_lossy, tmp_path):
         full = export_gguf(folder, tmp_path / f"{label}-f32.gguf")
         quant = export_gguf(folder, tmp_path / f"{label}-q8_0.gguf", outtype="q8_0")
         assert quant["tensor_types"]["Q8_0"] > 0
+        assert not [name for name in quant["kept_float32"] if "attn_kv_a_mqa" in name], quant["kept_float32"]
         assert quant["bytes"] < 0.5 * full["bytes"]
-        layers = len({name.split(".")[1] for name in quant["kept_float32"]})
-        assert {n for n in quant["kept_float32"] if "attn_kv_a_mqa" in n} == {f"blk.{i}.attn_kv_a_mqa.weight"
-                                                                              for i in range(layers)}
         f32_ppl = ppl(llamacpp_logits(tmp_path / f"{label}-f32.gguf", windows), windows)
         q8_ppl = ppl(llamacpp_logits(tmp_path / f"{label}-q8_0.gguf", windows), windows)
         penalties[label] = q8_ppl / f32_ppl - 1
-    assert abs(penalties["exact"]) < 0.01 and abs(penalties["lossy"]) < 0.01, penalties
+    # the source stories260K itself loses 4.7% under llama.cpp's q8_0 (bench/README.md)
+    assert abs(penalties["exact"]) < 0.01 and abs(penalties["lossy"]) < 0.02, penalties
+
+
+def test_the_row_guard_keeps_a_tensor_the_type_cannot_hold(stories_lossy, tmp_path):
+    """A checkpoint whose kv_a rows are ~1e-7 (as an unscaled latent would be): q8_0's f16 block scales would
+    zero them, so the export keeps that tensor f32 and names it; without the guard the model breaks."""
+    from safetensors.torch import load_file, save_file
+
+    tiny = tmp_path / "tiny"
+    shutil.copytree(stories_lossy, tiny)
+    shard = next(tiny.glob("*.safetensors"))
+    state = load_file(shard)
+    rank = json.loads((tiny / "config.json").read_text())["kv_lora_rank"]
+    kv_a, norm = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.0.self_attn.kv_a_layernorm.weight"
+    state[kv_a][:rank] *= 2.0**-16  # the latent stays far below the norm's ε: the norm is linear, so ×2^16 undoes it
+    state[norm] *= 2.0**16
+    save_file(state, shard, metadata={"format": "pt"})
+    full = ppl(llamacpp_logits(export_gguf(tiny, tmp_path / "f32.gguf")["output"], STORY_WINDOWS), STORY_WINDOWS)
+    quant = export_gguf(tiny, tmp_path / "q8_0.gguf", outtype="q8_0")
+    assert quant["kept_float32"] == ["blk.0.attn_kv_a_mqa.weight"] and quant["worst_row_error"] <= 0.05
+    guarded = ppl(llamacpp_logits(tmp_path / "q8_0.gguf", STORY_WINDOWS), STORY_WINDOWS)
+    unguarded = export_gguf(tiny, tmp_path / "q8_0-unguarded.gguf", outtype="q8_0", row_error_limit=math.inf)
+    assert unguarded["kept_float32"] == []
+    broken = ppl(llamacpp_logits(tmp_path / "q8_0-unguarded.gguf", STORY_WINDOWS), STORY_WINDOWS)
+    reference = ppl(llamacpp_logits(export_gguf(stories_lossy, tmp_path / "r.gguf")["output"], STORY_WINDOWS),
+                    STORY_WINDOWS)
+    assert abs(full / reference - 1) < 1e-3  # the rescaled checkpoint computes the same model
+    assert abs(guarded / full - 1) < 0.02 < broken / full - 1, (guarded, broken, full)
 
 
 def test_half_precision_exports_run(stories_lossy, tmp_path):
-    """bf16 and f16 exports load and stay close to the f32 perplexity (f16 keeps the tiny latent rows in f32)."""
+    """bf16 and f16 exports load, round every matrix, and stay close to the f32 perplexity."""
     reference = ppl(transformers_logits(stories_lossy, STORY_WINDOWS), STORY_WINDOWS)
     for outtype in ("bf16", "f16"):
         report = export_gguf(stories_lossy, tmp_path / f"{outtype}.gguf", outtype=outtype)
         assert report["tensor_types"].get(outtype.upper(), 0) > 0
-        assert (report["kept_float32"] != []) == (outtype == "f16")
+        assert not [name for name in report["kept_float32"] if "attn_kv_a_mqa" in name], report["kept_float32"]
         got = ppl(llamacpp_logits(tmp_path / f"{outtype}.gguf", STORY_WINDOWS), STORY_WINDOWS)
         assert abs(got / reference - 1) < 0.02, (outtype, got, reference)
 

@@ -79,6 +79,13 @@ class ConvertOptions:
     eval_batch_size: int = 1
     extra_report: dict = field(default_factory=dict)
 
+    @classmethod
+    def from_recipe(cls, path: str | Path, **overrides) -> "ConvertOptions":
+        """The options a ``recipes/*.yaml`` file sets, with ``overrides`` (not None) winning, as on the command line."""
+        from mlaconv.recipes import load_recipe, merge_options
+
+        return cls(**merge_options(load_recipe(path).options, overrides), recipe=str(path))
+
     @property
     def evaluated(self) -> bool:
         return any((self.eval_text, self.eval_dataset, self.eval_tokens))

@@ -1,0 +1,74 @@
+"""The declared Python API: ``from mlaconv import …`` gives the library's own functions, the README's example
+runs as written, and a recipe applies through ``ConvertOptions.from_recipe`` outside the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mlaconv
+from mlaconv.errors import MlaconvError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_public_names_are_the_library_functions():
+    from mlaconv.convert import ConvertOptions, convert
+    from mlaconv.evaluate import TokenSource, evaluate_perplexity
+    from mlaconv.io.gguf import export_gguf
+    from mlaconv.spectra import SpectraOptions, spectra
+
+    expected = {"convert": convert, "ConvertOptions": ConvertOptions, "inspect_spectra": spectra,
+                "SpectraOptions": SpectraOptions, "evaluate_perplexity": evaluate_perplexity,
+                "TokenSource": TokenSource, "export_gguf": export_gguf, "MlaconvError": MlaconvError}
+    assert set(mlaconv.__all__) == {"__version__", *expected}
+    for name, value in expected.items():
+        assert getattr(mlaconv, name) is value, name
+    with pytest.raises(AttributeError, match="no attribute 'convert_everything'"):
+        mlaconv.convert_everything  # noqa: B018
+
+
+def test_import_mlaconv_does_not_import_torch():
+    code = "import sys, mlaconv; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_the_readme_example_runs(tmp_path):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Python API"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[1].startswith("KV cache 50% of the source's; check: KL ")
+    drift = re.fullmatch(r"drift ([+-]\d+\.\d+)% over 8 windows", lines[2])
+    assert drift and abs(float(drift.group(1))) < 50, lines
+    gguf = tmp_path / "out" / "api-mla-q8_0.gguf"
+    assert int(lines[3]) == gguf.stat().st_size and gguf.read_bytes()[:4] == b"GGUF"
+    report = json.loads((tmp_path / "out" / "api-mla" / "mlaconv.json").read_text())
+    assert report["kv_keep"] == 0.5
+
+
+def test_a_recipe_applies_through_convert_options(tiny_model, tmp_path):
+    src = tiny_model(kv_heads=2, head_dim=16)
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text("rank: 12\nrope_dim: 8\nverify: false\n")
+    options = mlaconv.ConvertOptions.from_recipe(recipe, rank=10, rope_dim=None, force=True)
+    assert (options.rank, options.rope_dim, options.verify, options.force, options.recipe) == (10, 8, False, True,
+                                                                                             str(recipe))
+    report = mlaconv.convert(str(src), tmp_path / "out", options)
+    assert (report["kv_lora_rank"], report["qk_rope_head_dim"]) == (10, 8)
+    assert report["settings"]["recipe"] == str(recipe)
+    recipe.write_text("rank: 12\nkv_keep: 0.5\n")
+    with pytest.raises(MlaconvError, match="must set exactly one of rank and kv_keep"):
+        mlaconv.ConvertOptions.from_recipe(recipe)

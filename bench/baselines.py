@@ -54,7 +54,7 @@ import torch
 
 from mlaconv import deepseek
 from mlaconv.arch import SourceSpec
-from mlaconv.convert import (TOKENIZER_FILES, Shapes, load_source, plan_shapes, read_attention, residual_scale,
+from mlaconv.conversion import (TOKENIZER_FILES, Shapes, load_source, plan_shapes, read_attention, residual_scale,
                              write_layer, write_outer_tensors)
 from mlaconv.io import CheckpointReader, ShardedWriter, atomic_output_dir
 from mlaconv.mla import rope
@@ -125,7 +125,7 @@ def assemble(src: SourceAttention, shape: AttentionShape, f: Factorization, resi
 
 def write_checkpoint(out: Path, folder: Path, spec: SourceSpec, reader: CheckpointReader, shapes: Shapes,
                      stride: int, layers: list[MLAAttention], report: dict, dtype: torch.dtype = torch.float32) -> None:
-    """Write (or replace) the DeepSeek-V3 folder laid out as ``mlaconv.convert`` does; ``report`` → baseline.json."""
+    """Write (or replace) the DeepSeek-V3 folder laid out as ``mlaconv.conversion`` does; ``report`` → baseline.json."""
     alpha = residual_scale(spec)
     attention_bias = spec.qkv_bias or spec.o_bias
     with atomic_output_dir(Path(out), force=True) as tmp:

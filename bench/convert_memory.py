@@ -281,7 +281,7 @@ def main() -> None:
                                                                    "command": " ".join(command)}
         if not args.keep and target.exists():
             shutil.rmtree(target)
-    results["runtime"] = measure([sys.executable, "-c", "import mlaconv.cli.convert, mlaconv.convert"])
+    results["runtime"] = measure([sys.executable, "-c", "import mlaconv.cli.convert, mlaconv.conversion"])
     probe = subprocess.run([sys.executable, __file__, "--probe", "--rank", str(args.rank), "--rope-dim",
                             str(args.rope_dim)], check=True, capture_output=True, text=True)
     added = json.loads(probe.stdout)["added_peak_bytes"]

@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 from baselines import convert_joint_svd, convert_transmla  # noqa: E402
 from eval_lib import CALIB_WINDOWS, WINDOW, calibration_file, calibration_ids, eval_source, fidelity  # noqa: E402
 
-from mlaconv.convert import ConvertOptions, convert  # noqa: E402
+from mlaconv.conversion import ConvertOptions, convert  # noqa: E402
 
 MODELS = {
     "stories260K": HERE.parent / "examples" / "stories260K",

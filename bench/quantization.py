@@ -69,7 +69,7 @@ def tokens_for(name: str, source: Path) -> torch.Tensor:
 
 def convert_layout(source: Path, out: Path, layout: str, **shape) -> Path:
     import mlaconv.mla.attention as attention
-    from mlaconv.convert import ConvertOptions, convert
+    from mlaconv.conversion import ConvertOptions, convert
 
     chosen = attention.input_scale
     if layout == "unscaled":

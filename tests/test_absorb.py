@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from conftest import make_model
 from mlaconv.absorb import (MANIFEST, MLAShape, StandardAttention, absorb_attention, latent_norm_bound,
                             norm_nonlinearity, write_absorbed)
-from mlaconv.convert import ConvertOptions, convert
+from mlaconv.conversion import ConvertOptions, convert
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 from mlaconv.runtime.attention import (absorbed_attention, expanded_attention, latent_rows, rope_cos_sin,
@@ -222,7 +222,7 @@ def test_a_latent_outside_the_tiny_regime_is_refused(converted, tmp_path):
 
 
 def test_convert_absorbed_flag_writes_the_artefact(stories, tmp_path):
-    from mlaconv.convert import ConvertOptions, convert
+    from mlaconv.conversion import ConvertOptions, convert
 
     report = convert(str(stories), tmp_path / "out", ConvertOptions(rank=16, verify=False, absorbed=True))
     assert (tmp_path / "out" / "absorbed" / "absorbed.json").is_file()

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_public_names_are_the_library_functions():
-    from mlaconv.convert import ConvertOptions, convert
+    from mlaconv.conversion import ConvertOptions, convert
     from mlaconv.evaluate import TokenSource, evaluate_perplexity
     from mlaconv.io.gguf import export_gguf
     from mlaconv.spectra import SpectraOptions, spectra

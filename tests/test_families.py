@@ -15,7 +15,7 @@ import transformers as hf
 
 from mlaconv.arch import SourceSpec
 from mlaconv.calibrate import CalibrationOptions, SourceStreamer
-from mlaconv.convert import ConvertOptions, convert, read_attention
+from mlaconv.conversion import ConvertOptions, convert, read_attention
 from mlaconv.errors import MlaconvError
 from mlaconv.families import FINAL_NORM, LM_HEAD, SourceWeights
 from mlaconv.io import CheckpointReader, read_config

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from mlaconv.cli import app
 from mlaconv.cli.inspect import spectra as spectra_command
 from mlaconv.calibrated import calibrated_layer_options
-from mlaconv.convert import ConvertOptions, convert, layer_options, load_source, plan_shapes, read_attention
+from mlaconv.conversion import ConvertOptions, convert, layer_options, load_source, plan_shapes, read_attention
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.attention import AttentionShape, LayerStats, convert_attention
 from mlaconv.plot import require_matplotlib, save_spectra_plot, spectra_figure

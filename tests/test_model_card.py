@@ -7,7 +7,7 @@ import copy
 import pytest
 import yaml
 
-from mlaconv.convert import ConvertOptions, convert
+from mlaconv.conversion import ConvertOptions, convert
 from mlaconv.model_card import render_model_card, write_model_card
 
 

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants
 from transformers import AutoModelForCausalLM
 
-from mlaconv.convert import ConvertOptions, convert
+from mlaconv.conversion import ConvertOptions, convert
 from mlaconv.mla import attention
 from mlaconv.mla.latent_norm import MAX_ENTRY
 from mlaconv.models import load_causal_lm

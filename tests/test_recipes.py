@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mlaconv.arch import SourceSpec
-from mlaconv.convert import ConvertOptions, convert
+from mlaconv.conversion import ConvertOptions, convert
 from mlaconv.errors import MlaconvError
 from mlaconv.recipes import check_recipe, kv_cache_figures, load_recipe, merge_options
 from mlaconv.serving import kernel_fit

@@ -9,7 +9,7 @@ import torch
 
 from conftest import STORIES, make_model
 from mlaconv.absorb import write_absorbed
-from mlaconv.convert import ConvertOptions, convert
+from mlaconv.conversion import ConvertOptions, convert
 from mlaconv.errors import MlaconvError
 from mlaconv.models import load_causal_lm
 from mlaconv.runtime import LatentDecoder, generate

@@ -15,8 +15,8 @@ import importlib
 __version__ = "0.1.0"
 
 _API = {  # public name → (module, attribute)
-    "convert": ("mlaconv.convert", "convert"),
-    "ConvertOptions": ("mlaconv.convert", "ConvertOptions"),
+    "convert": ("mlaconv.conversion", "convert"),
+    "ConvertOptions": ("mlaconv.conversion", "ConvertOptions"),
     "inspect_spectra": ("mlaconv.spectra", "spectra"),
     "SpectraOptions": ("mlaconv.spectra", "SpectraOptions"),
     "evaluate_perplexity": ("mlaconv.evaluate", "evaluate_perplexity"),

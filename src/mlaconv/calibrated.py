@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mlaconv.calibrate import CalibrationOptions, MLARun, SourceStreamer, WindowSplit, load_calibration_tokens, split_windows
-from mlaconv.convert import ConvertOptions, Plan, Shapes, read_attention, rope_strides, shape_candidates
+from mlaconv.conversion import ConvertOptions, Plan, Shapes, read_attention, rope_strides, shape_candidates
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
 from mlaconv.mla.attention import (LayerOptions, LayerReport, MLAAttention, SourceAttention, assemble, convert_attention,

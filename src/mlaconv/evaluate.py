@@ -51,6 +51,9 @@ class TokenSource:
     tokens: Path | None = None
 
     def __post_init__(self) -> None:
+        for name in ("text", "tokens"):  # a str path is a path (frozen: set through object)
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, Path(getattr(self, name)))
         given = [name for name in ("text", "dataset", "tokens") if getattr(self, name) is not None]
         if len(given) != 1:
             raise MlaconvError("give exactly one of --text FILE, --dataset NAME or --tokens FILE.jsonl"

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from mlaconv.arch import SourceSpec
-from mlaconv.convert import Shapes, output_dtype, plan_shapes
+from mlaconv.conversion import Shapes, output_dtype, plan_shapes
 from mlaconv.errors import MlaconvError
 from mlaconv.io import parse_size
 from mlaconv.mla import rope
@@ -110,7 +110,7 @@ def load_recipe(path: str | Path) -> Recipe:
 def check_recipe(recipe: Recipe, spec: SourceSpec) -> Shapes:
     """Refuse a recipe whose shapes do not fit ``spec`` or whose ``kv_cache`` block is wrong; return the shapes.
 
-    The shapes are planned by ``mlaconv.convert.plan_shapes``, the code the conversion runs.
+    The shapes are planned by ``mlaconv.conversion.plan_shapes``, the code the conversion runs.
     """
     o = recipe.options
     prefix = f"recipe {recipe.path.name} does not fit {describe_model(spec)}"

@@ -29,7 +29,7 @@ import torch
 
 from mlaconv import __version__
 from mlaconv.calibrated import calibrated_layer_options, calibration_streamer
-from mlaconv.convert import ConvertOptions, Shapes, model_full_rank, plan_conversion, read_attention, with_rope_stride
+from mlaconv.conversion import ConvertOptions, Shapes, model_full_rank, plan_conversion, read_attention, with_rope_stride
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import latent as latent_math
 from mlaconv.mla.attention import LayerAnalysis, LayerStats, SourceAttention, analyse_layer, latent_errors

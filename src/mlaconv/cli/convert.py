@@ -50,7 +50,7 @@ def convert(
 ) -> None:
     """Convert an MHA/GQA checkpoint into a native DeepSeek-V3 MLA checkpoint."""
     with handle_errors(debug, json_out):
-        from mlaconv.convert import ConvertOptions, convert as run_convert
+        from mlaconv.conversion import ConvertOptions, convert as run_convert
         from mlaconv.errors import MlaconvError
         from mlaconv.io import parse_size
 

@@ -20,6 +20,8 @@ from mlaconv.mla.attention import AttentionShape, LatentAttention
 from mlaconv.mla.rope import rotate_interleaved
 
 CHECK_EVERY = 10  # steps between two measurements on the select windows
+REFINE_LR = 3e-2  # relative learning rate: 50 steps at this rate measured better on the select windows than
+# 200 at 3e-3 (bench/README.md, issue 16)
 
 
 def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentAttention, shape: AttentionShape,
@@ -51,7 +53,7 @@ class Refinement:
 
 def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_frequencies: torch.Tensor,
            train: tuple[torch.Tensor, torch.Tensor], select: tuple[torch.Tensor, torch.Tensor],
-           steps: int, lr: float = 3e-3, check_every: int = CHECK_EVERY, batch: int = 4, seed: int = 0) -> Refinement:
+           steps: int, lr: float = REFINE_LR, check_every: int = CHECK_EVERY, batch: int = 4, seed: int = 0) -> Refinement:
     """Adam on the trainable factors of ``latent``; (x, source output) pairs as [B, S, H] float32 tensors.
 
     Each step uses ``batch`` training windows drawn with a fixed seed; each factor's learning rate is

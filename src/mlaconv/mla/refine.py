@@ -20,7 +20,7 @@ from mlaconv.mla.attention import AttentionShape, LatentAttention
 from mlaconv.mla.rope import rotate_interleaved
 
 CHECK_EVERY = 10  # steps between two measurements on the select windows
-REFINE_LR = 3e-2  # relative learning rate: 50 steps at this rate measured better on the select windows than
+REFINE_LR = 3e-2  # relative learning rate: 75 steps at this rate measured better on the select windows than
 # 200 at 3e-3 (bench/README.md, issue 16)
 
 

@@ -176,7 +176,9 @@ def test_refinement_lowers_the_measured_attention_error(stories, stories_samples
     assert refined["calibration"]["closed_form"]["attention_error"] == pytest.approx(closed["attention_error"], abs=1e-9)
     # audited on windows that chose nothing: a smaller gain than the select windows, which chose the best step, show
     assert sum(refined["attention_error"]) < 0.95 * sum(closed["attention_error"])
-    assert sum(c["refinement"]["after"] for c in refined["calibration"]["selection"]) < 0.9 * sum(
+    # on the select windows: 0.878 of the closed form's error at a fixed rate of 3e-3, 0.900 with the default
+    # rate 3e-2 and its back-off (whose whole-model KL on the audit windows is lower: bench/README.md, issue 16)
+    assert sum(c["refinement"]["after"] for c in refined["calibration"]["selection"]) < 0.92 * sum(
         c["refinement"]["before"] for c in refined["calibration"]["selection"])
     assert kl(tmp_path / "refined") < kl(tmp_path / "closed")
 

@@ -45,20 +45,22 @@ from mlaconv.convert import ConvertOptions, convert  # noqa: E402
 
 
 class Timer:
-    """Exclusive wall time per (stage path, layer)."""
+    """Exclusive wall and CPU time per (stage path, layer)."""
 
     def __init__(self):
         self.stack: list[str] = []
         self.times: dict[tuple[str, int | None], float] = defaultdict(float)
+        self.cpu: dict[tuple[str, int | None], float] = defaultdict(float)
         self.calls: dict[tuple[str, int | None], int] = defaultdict(int)
         self.layer: int | None = None
-        self.last = time.perf_counter()
+        self.last, self.last_cpu = time.perf_counter(), time.process_time()
 
     def _charge(self) -> None:
-        now = time.perf_counter()
+        now, now_cpu = time.perf_counter(), time.process_time()
         if self.stack:
             self.times[("/".join(self.stack), self.layer)] += now - self.last
-        self.last = now
+            self.cpu[("/".join(self.stack), self.layer)] += now_cpu - self.last_cpu
+        self.last, self.last_cpu = now, now_cpu
 
     def wrap(self, owner, name: str, stage, layer_arg: int | None = None) -> None:
         original = getattr(owner, name)
@@ -157,6 +159,10 @@ def main() -> None:
     forward, forward_cpu = source_forward(args.model, tokens, args.calib_batch_size)
 
     stages: dict[str, float] = defaultdict(float)
+    stages_cpu: dict[str, float] = defaultdict(float)
+    for (stage, _), seconds in timer.cpu.items():
+        stages_cpu[stage] += seconds
+    stages_cpu["other"] = total_cpu - sum(stages_cpu.values())
     layers: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for (stage, layer), seconds in timer.times.items():
         stages[stage] += seconds
@@ -169,6 +175,7 @@ def main() -> None:
         "threads": torch.get_num_threads(), "total_s": total, "source_forward_s": forward,
         "ratio": total / forward,
         "total_cpu_s": total_cpu, "source_forward_cpu_s": forward_cpu, "cpu_ratio": total_cpu / forward_cpu, "stages_s": dict(sorted(stages.items(), key=lambda kv: -kv[1])),
+        "stages_cpu_s": dict(stages_cpu),
         "layers_s": {i: dict(v) for i, v in sorted(layers.items())},
         "refinement": calibration["refinement"], "refine_steps": calibration["refine_steps"],
         "written": calibration["whole_model"]["written"],
@@ -179,8 +186,10 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     print(f"  wall: total {total:8.1f} s   one source forward {forward:6.2f} s   ratio {total / forward:6.1f}×")
     print(f"  CPU:  total {total_cpu:8.1f} s   one source forward {forward_cpu:6.2f} s   ratio {total_cpu / forward_cpu:6.1f}×")
+    print(f"  {'stage':<40} {'wall s':>8} {'wall %':>6} {'CPU s':>8} {'CPU %':>6}")
     for stage, seconds in result["stages_s"].items():
-        print(f"  {stage:<40} {seconds:8.1f} s  {100 * seconds / total:5.1f}%")
+        cpu = stages_cpu[stage]
+        print(f"  {stage:<40} {seconds:8.1f} {100 * seconds / total:6.1f} {cpu:8.1f} {100 * cpu / total_cpu:6.1f}")
     names = sorted({s for v in layers.values() for s in v})
     print("  per layer (s): " + " ".join(f"{n[:12]:>12}" for n in names))
     for i, v in sorted(layers.items()):

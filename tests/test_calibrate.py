@@ -176,7 +176,9 @@ def test_refinement_lowers_the_measured_attention_error(stories, stories_samples
     assert refined["calibration"]["closed_form"]["attention_error"] == pytest.approx(closed["attention_error"], abs=1e-9)
     # audited on windows that chose nothing: a smaller gain than the select windows, which chose the best step, show
     assert sum(refined["attention_error"]) < 0.95 * sum(closed["attention_error"])
-    assert sum(c["refinement"]["after"] for c in refined["calibration"]["selection"]) < 0.9 * sum(
+    # on the select windows: 0.878 of the closed form's error at a fixed rate of 3e-3, 0.900 with the default
+    # rate 3e-2 and its back-off (whose whole-model KL on the audit windows is lower: bench/README.md, issue 16)
+    assert sum(c["refinement"]["after"] for c in refined["calibration"]["selection"]) < 0.92 * sum(
         c["refinement"]["before"] for c in refined["calibration"]["selection"])
     assert kl(tmp_path / "refined") < kl(tmp_path / "closed")
 
@@ -267,13 +269,15 @@ def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_s
         monkeypatch.setattr(conversion, "CPU_FLOPS", full_flops / cpu_seconds_for_the_full_refinement)
         return conversion.refinement_plan(plan, options, streamer)
 
-    assert (planned(600).steps, planned(600).batch, planned(600).note) == (200, 4, "default")
-    reduced = planned(4 * 3600)
+    full = planned(600)
+    assert (full.steps, full.batch, full.note, full.lr) == (75, 4, "default", 3e-2)
+    reduced = planned(2 * 3600)
     assert reduced.batch == 1 and 25 <= reduced.steps < 200 and reduced.note.startswith("reduced:")
+    assert reduced.lr == 3e-3  # the rate the reduced plan's figures were measured at
     skipped = planned(1000 * 3600)
     assert skipped.steps == 0 and skipped.note.startswith("skipped: even 25 steps")
     assert conversion.refinement_plan(plan, replace(options, refine_steps=7), streamer).steps == 7
-    assert conversion.refinement_plan(plan, replace(options, device="cuda:0"), streamer).steps == 200
+    assert conversion.refinement_plan(plan, replace(options, device="cuda:0"), streamer).steps == 75
 
 
 def test_calibration_tokens_from_text_and_bad_input(tiny_model, tmp_path):

@@ -20,12 +20,13 @@ from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
 from mlaconv.mla.attention import (LayerOptions, LayerReport, MLAAttention, SourceAttention, assemble, convert_attention,
                                    factor_attention, latent_errors)
-from mlaconv.mla.refine import CHECK_EVERY, refine, refinement_flops
+from mlaconv.mla.refine import CHECK_EVERY, REFINE_LR, refine, refinement_flops
 from mlaconv.progress import Progress, no_progress
 
-DEFAULT_REFINE_STEPS = 200
+DEFAULT_REFINE_STEPS = 75  # at REFINE_LR; 200 steps at 3e-3 before issue 16 (bench/README.md)
 DEFAULT_REFINE_BATCH = 4  # calibration windows per refinement step
 MIN_REDUCED_STEPS = 25  # below this a reduced refinement is not worth running (see bench/README.md)
+REDUCED_REFINE_LR = 3e-3  # the reduced plan's steps of one window, at the rate its figures were measured with
 # What refinement assumes a CPU sustains when it estimates its own cost. Conservative: on the 2 cores this was
 # developed on, steps on a Qwen2.5-0.5B-shaped layer (2048-token windows) ran 1.5–2.3× faster than estimated.
 CPU_FLOPS = 5e10
@@ -133,15 +134,17 @@ class RefinementPlan:
     batch: int  # calibration windows per step
     note: str  # why, for the report
     check_every: int = CHECK_EVERY  # steps between two measurements on the select windows
+    lr: float = REFINE_LR  # relative learning rate (``refine``)
 
 
 def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreamer | None) -> RefinementPlan:
     """How much refinement to run per layer, and why.
 
-    The default is 200 steps of 4 fit windows, measured on the select windows every 10 steps. On a CPU, where
-    that is estimated above 30 minutes, it is reduced to steps of one window, measured once at the end, as
-    many as fit in 30 minutes (at least 25: on the bench models 25 such steps removed 58–74% of the closed
-    form's PPL drift at 50% and 75% KV cuts), else skipped; the note says which.
+    The default is 75 steps of 4 fit windows at a relative learning rate of 3e-2, measured on the select windows
+    every 10 steps. On a CPU, where that is estimated above 30 minutes, it is reduced to steps of one window at
+    3e-3, measured once at the end, as many as fit in 30 minutes (at least 25: on the bench models 25 such
+    steps removed 58–74% of the closed form's PPL drift at 50% and 75% KV cuts), else skipped; the note says
+    which.
     """
     if streamer is None:
         return RefinementPlan(0, DEFAULT_REFINE_BATCH, "no calibration data")
@@ -166,14 +169,16 @@ def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreame
     full = seconds(DEFAULT_REFINE_STEPS, DEFAULT_REFINE_BATCH, CHECK_EVERY)
     if options.calibration_device.startswith("cuda") or full <= AUTO_REFINE_SECONDS:
         return RefinementPlan(DEFAULT_REFINE_STEPS, DEFAULT_REFINE_BATCH, "default")
-    fits = [n for n in range(MIN_REDUCED_STEPS, DEFAULT_REFINE_STEPS + 1) if seconds(n, 1, n) <= AUTO_REFINE_SECONDS]
+    most = DEFAULT_REFINE_STEPS * DEFAULT_REFINE_BATCH  # as many windows as the full plan's steps see
+    fits = [n for n in range(MIN_REDUCED_STEPS, most + 1) if seconds(n, 1, n) <= AUTO_REFINE_SECONDS]
     advice = (f"pass --refine-steps {DEFAULT_REFINE_STEPS} to run the full refinement anyway, or calibrate with "
               "--device cuda")
     if fits:
         steps = fits[-1]
         return RefinementPlan(steps, 1, (f"reduced: {steps} steps of one window, about 30 min on this CPU by estimate "
                                          f"(the full {DEFAULT_REFINE_STEPS} steps of {DEFAULT_REFINE_BATCH} would take "
-                                         f"about {full / 3600:.1f} h); {advice}"), check_every=steps)
+                                         f"about {full / 3600:.1f} h); {advice}"), check_every=steps,
+                              lr=REDUCED_REFINE_LR)
     least = seconds(MIN_REDUCED_STEPS, 1, MIN_REDUCED_STEPS)
     return RefinementPlan(0, DEFAULT_REFINE_BATCH, (
         f"skipped: even {MIN_REDUCED_STEPS} steps of one window would take about {least / 3600:.1f} h on this CPU "
@@ -230,7 +235,7 @@ def calibrate_layer(i: int, src: SourceAttention, plan: Plan, streamer: SourceSt
     if refinement is not None and refinement.steps:
         train, select = streamer.refinement_data(i, src, refine_windows)
         result = refine(latent, plan.shape, run.rope_dim, run.slot_frequencies, train, select, steps=refinement.steps,
-                        batch=refinement.batch, check_every=refinement.check_every)
+                        batch=refinement.batch, check_every=refinement.check_every, lr=refinement.lr)
         kept = result.after < result.before
         selection["refinement"] = {"before": result.before, "after": result.after, "kept": kept}
         if kept:

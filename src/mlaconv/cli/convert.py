@@ -38,7 +38,7 @@ def convert(
     allow_sliding_window: Optional[bool] = typer.Option(None, "--allow-sliding-window", help="Convert a sliding-window model with full attention."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision when SRC is a hub id."),
     absorbed: Optional[bool] = typer.Option(None, "--absorbed", help="Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to OUT/absorbed."),
-    refine_steps: Optional[int] = typer.Option(None, "--refine-steps", help="With calibration: gradient steps per layer on its measured attention error, kept only if it measures better on held-out windows (default: 200 steps of 4 windows on CUDA, or on a CPU where that is estimated under 30 min; else as many steps of 1 window as fit in 30 min, at least 25; 0 = closed form only)."),
+    refine_steps: Optional[int] = typer.Option(None, "--refine-steps", help="With calibration: gradient steps per layer on its measured attention error, kept only if it measures better on held-out windows (default: 75 steps of 4 windows on CUDA, or on a CPU where that is estimated under 30 min; else as many steps of 1 window as fit in 30 min, at least 25; 0 = closed form only)."),
     eval_text: Optional[str] = typer.Option(None, "--eval-text", help="After converting, run `mlaconv eval perplexity` on this text file against the source."),
     eval_dataset: Optional[str] = typer.Option(None, "--eval-dataset", help="… or on this dataset (wikitext = WikiText-2 raw test)."),
     eval_tokens: Optional[str] = typer.Option(None, "--eval-tokens", help="… or on these token ids (JSON lines of input_ids)."),

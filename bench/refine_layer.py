@@ -1,0 +1,67 @@
+#!/usr/bin/env python
+"""One layer's refinement under different settings, on calibration data only (issue 16).
+
+Streams the source to layer L over a model's calib.txt (the fidelity bench's 64 windows of 256), factors that
+layer in its calibrated variant at the --kv-keep budget's default split, and runs ``refine`` with each setting
+given, printing the wall time and the relative attention error on the select windows (which choose settings)
+and on the audit windows (reported only). Never touches eval.txt.
+
+    python bench/refine_layer.py llama-docs 0.5 2 "steps=200,lr=3e-3;steps=75;steps=75,backoff=None"
+"""
+
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from mlaconv import calibrated  # noqa: E402
+from mlaconv.convert import ConvertOptions, plan_conversion, read_attention, with_rope_stride  # noqa: E402
+from mlaconv.mla import refine as R  # noqa: E402
+from mlaconv.mla.attention import factor_attention  # noqa: E402
+
+MODELS = Path(__file__).resolve().parent / "_work" / "models"
+
+
+def main() -> None:
+    model, keep, layer_i, settings = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    opts = ConvertOptions(kv_keep=keep, calib=[str(MODELS / model / "calib.txt")], calib_tokens=16384, calib_window=256)
+    plan = with_rope_stride(plan_conversion(str(MODELS / model), opts))
+    tokens = calibrated.calibration_tokens(plan, opts)
+    streamer = calibrated.calibration_streamer(plan, opts, tokens)
+    for i in range(layer_i):
+        src = read_attention(plan.reader, plan.spec, i)
+        streamer.stats(i, src)
+        streamer.advance(i, src)
+    src = read_attention(plan.reader, plan.spec, layer_i)
+    stats = streamer.stats(layer_i, src)
+    run = calibrated.layer_run(plan.spec, plan.layer, tokens.shape[1])
+    latent, _ = factor_attention(src, plan.shape, calibrated.calibrated_layer_options(plan.layer), stats)
+    train, select = streamer.refinement_data(layer_i, src, 16)
+    audit = streamer._held_pairs(layer_i, src, "audit")
+    angles = torch.arange(tokens.shape[1], dtype=torch.float64)[:, None] * run.slot_frequencies[None, :]
+
+    def error(layer, data) -> float:
+        params = {name: t.float() for name, t in layer.trainable().items()}
+        fixed = replace(layer, o=layer.o.float(), o_bias=None if layer.o_bias is None else layer.o_bias.float(),
+                        k_rope_bias=None if layer.k_rope_bias is None else layer.k_rope_bias.float())
+        with torch.no_grad():
+            y = R.latent_attention(data[0], params, fixed, plan.shape, run.rope_dim, angles.cos().float(),
+                                   angles.sin().float())
+        return ((y - data[1]).pow(2).sum() / data[1].pow(2).sum()).item()
+
+    print(f"{model} --kv-keep {keep} layer {layer_i}: closed form select {error(latent, select):.5f} "
+          f"audit {error(latent, audit):.5f}")
+    for setting in filter(None, settings.split(";")):
+        kwargs = eval(f"dict({setting})")  # noqa: S307 (a bench's own command line)
+        started = time.perf_counter()
+        result = R.refine(latent, plan.shape, run.rope_dim, run.slot_frequencies, train, select, **kwargs)
+        print(f"  {setting:<40} {time.perf_counter() - started:7.1f} s  select {result.after:.5f}  "
+              f"audit {error(result.latent, audit):.5f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The layer-wise refinement's optimizer: the best state on the select windows is returned, and the rate backs off
+when a check does not improve (issue 16)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from mlaconv.mla.attention import AttentionShape, LatentAttention
+from mlaconv.mla.refine import latent_attention, refine
+
+SHAPE = AttentionShape(hidden=32, heads=4, kv_heads=2, head_dim=8)
+R, RANK = 4, 8
+
+
+def random_layer(seed: int) -> LatentAttention:
+    g = torch.Generator().manual_seed(seed)
+    H, N, G, d = SHAPE.hidden, SHAPE.heads, SHAPE.kv_heads, SHAPE.head_dim
+
+    def w(*size):
+        return torch.randn(*size, generator=g, dtype=torch.float64) / size[-1] ** 0.5
+
+    return LatentAttention(q_nope=w(N * d, H), q_rope=w(N * R, H), down=w(RANK, H), k_rope=w(R, H),
+                           up_k=w(G * d, RANK), up_v=w(G * d, RANK), o=w(H, N * d))
+
+
+def problem():
+    """A teacher layer's outputs on random inputs, and a start that is the teacher's factors perturbed."""
+    teacher = random_layer(0)
+    noise = random_layer(1)
+    start = replace(teacher, **{name: t + 0.3 * noise.trainable()[name] for name, t in teacher.trainable().items()})
+    slots = torch.tensor([1.0, 0.1])
+    angles = torch.arange(16, dtype=torch.float64)[:, None] * slots[None, :]
+    x = torch.randn(12, 16, SHAPE.hidden, generator=torch.Generator().manual_seed(2))
+    params = {name: t.float() for name, t in teacher.trainable().items()}
+    fixed = replace(teacher, o=teacher.o.float())
+    with torch.no_grad():
+        y = latent_attention(x, params, fixed, SHAPE, R, angles.cos().float(), angles.sin().float())
+    return start, slots, (x[:8], y[:8]), (x[8:], y[8:])
+
+
+def select_error(latent: LatentAttention, slots, data) -> float:
+    x, y = data
+    angles = torch.arange(x.shape[1], dtype=torch.float64)[:, None] * slots[None, :]
+    params = {name: t.float() for name, t in latent.trainable().items()}
+    with torch.no_grad():
+        out = latent_attention(x, params, replace(latent, o=latent.o.float()), SHAPE, R, angles.cos().float(),
+                               angles.sin().float())
+    return ((out - y).pow(2).sum() / y.pow(2).sum()).item()
+
+
+def test_refinement_returns_its_best_select_state():
+    start, slots, train, select = problem()
+    result = refine(start, SHAPE, R, slots, train, select, steps=30, check_every=5)
+    assert result.before == select_error(start, slots, select)
+    assert result.after < 0.7 * result.before
+    assert abs(result.after - select_error(result.latent, slots, select)) < 1e-4 * result.before
+
+
+def test_a_rate_that_is_too_high_backs_off_instead_of_giving_up():
+    """At a relative rate of 1 every step overshoots: without back-off no check beats the start and the closed form
+    is returned; with it the rate falls by 3 at each failed check until steps help."""
+    start, slots, train, select = problem()
+    fixed_rate = refine(start, SHAPE, R, slots, train, select, steps=60, lr=1.0, check_every=3, backoff=None)
+    backing_off = refine(start, SHAPE, R, slots, train, select, steps=60, lr=1.0, check_every=3)
+    assert fixed_rate.after == fixed_rate.before
+    assert backing_off.after < 0.8 * backing_off.before

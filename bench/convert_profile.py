@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where a calibrated conversion spends its time (issue 16), next to one plain forward pass of the source.
 
-Runs ``mlaconv.convert.convert`` in this process with timers wrapped around its stages (this script only
+Runs ``mlaconv.conversion.convert`` in this process with timers wrapped around its stages (this script only
 wraps functions; it changes nothing they compute), then times one forward pass of the source through
 transformers' own ``AutoModelForCausalLM`` over the same calibration windows (batches of
 ``--calib-batch-size``, float32, no cache): the yardstick of the issue, ``total ≤ 5× forward``.
@@ -40,8 +40,8 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from mlaconv import calibrate, calibrated, convert as convert_module, verify as verify_module  # noqa: E402
-from mlaconv.convert import ConvertOptions, convert  # noqa: E402
+from mlaconv import calibrate, calibrated, conversion as convert_module, verify as verify_module  # noqa: E402
+from mlaconv.conversion import ConvertOptions, convert  # noqa: E402
 
 
 class Timer:

@@ -20,10 +20,11 @@ from mlaconv.families import EMBED, SourceWeights
 from mlaconv.io.text import load_dataset_text, read_text, read_token_lines
 from mlaconv.io import CheckpointReader
 from mlaconv.models import load_tokenizer
+from mlaconv.mla import qk_norm
 from mlaconv.mla.attention import LayerStats, MLAAttention, SourceAttention
 from mlaconv.mla.rope import pair_frequencies
-from mlaconv.reference import (Heads, attention_by_distance, mla_attention, mlp_block, rms_norm, rope_angles,
-                               source_attention)
+from mlaconv.reference import (Heads, attention_by_distance, mla_attention, mlp_block, query_key, rms_norm,
+                               rope_angles, source_attention)
 
 
 def load_calibration_tokens(source: Path, spec: SourceSpec, files: list[str], dataset: str | None,
@@ -127,6 +128,30 @@ class SourceStreamer:
         rotation_mean = (by_distance.cpu().to(torch.complex128) @ phases) / (profiled * S)
         rotation_mean[:, freqs == 0] = 1  # a pair that never turns keeps its whole alignment
         return LayerStats(metric=(moment / self.token_count).cpu(), rotation_mean=rotation_mean)
+
+    def stand_in(self, i: int, attention: SourceAttention, metric: torch.Tensor) -> SourceAttention:
+        """Layer i itself, or for a layer with QK-norm its least-squares linear stand-in (``mla.qk_norm``),
+        fitted on the same windows as ``metric`` = E[x xᵀ]."""
+        if attention.q_norm is None and attention.k_norm is None:
+            return attention
+        return qk_norm.stand_in(attention.cast(dtype=torch.float64), metric, self.norm_moments(i, attention))
+
+    def norm_moments(self, i: int, attention: SourceAttention) -> qk_norm.NormMoments:
+        """E[q̃ xᵀ] and E[k̃ xᵀ] of layer i's normalised queries and keys (before RoPE) with its input x."""
+        if i != self.next_layer:
+            raise RuntimeError(f"calibration is at layer {self.next_layer}, asked for layer {i}")
+        weights = self._on_device(attention)
+        H = self.spec.hidden_size
+        query = torch.zeros(weights.q.shape[0], H, dtype=torch.float64, device=self.device)
+        key = torch.zeros(weights.k.shape[0], H, dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for batch in self._batches():
+                x = rms_norm(self.hidden[batch].to(self.device), weights.input_norm, self.spec.rms_norm_eps).float()
+                q, k = query_key(x, weights, self.heads)  # [B, heads, S, d]
+                x = x.flatten(0, 1).double()
+                query += q.transpose(1, 2).flatten(2).flatten(0, 1).T.double() @ x
+                key += k.transpose(1, 2).flatten(2).flatten(0, 1).T.double() @ x
+        return qk_norm.NormMoments(query=(query / self.token_count).cpu(), key=(key / self.token_count).cpu())
 
     def attention_error(self, i: int, attention: SourceAttention, converted: MLAAttention, rank: int,
                         rope_dim: int, slot_frequencies: torch.Tensor, residual_scale: float) -> float:

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from mlaconv import __version__, deepseek
-from mlaconv.arch import SourceSpec
+from mlaconv.arch import QK_NORM_NEEDS_CALIBRATION, SourceSpec
 from mlaconv.calibrate import CalibrationOptions, SourceStreamer, load_calibration_tokens
 from mlaconv.errors import MlaconvError
 from mlaconv.evaluate import TokenSource, evaluate_perplexity
@@ -233,6 +233,8 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
         from mlaconv.recipes import check_recipe, load_recipe
 
         check_recipe(load_recipe(options.recipe), spec)
+    if spec.family.qk_norm and not options.calibrated:
+        raise MlaconvError(QK_NORM_NEEDS_CALIBRATION.format(label=spec.family.label))
     shapes = plan_shapes(spec, options.rank, options.kv_keep, options.rope_dim)
     searched = options.calibrated and options.kv_keep is not None and options.rope_dim is None  # see search_shapes
     if (options.rope_stride is not None and not searched
@@ -299,8 +301,9 @@ def search_shapes(plan: Plan, options: ConvertOptions, progress: Progress = no_p
     for i in progress(range(spec.num_layers), "choosing r and R", spec.num_layers):
         src = read_attention(plan.reader, spec, i)
         stats = streamer.stats(i, src)
+        linear = streamer.stand_in(i, src, stats.metric)
         for c, layer in layers.items():
-            mla, _ = convert_attention(src, plan.shape, calibrated_layer_options(layer), stats)
+            mla, _ = convert_attention(linear, plan.shape, calibrated_layer_options(layer), stats)
             slots = freqs[rope.kept_frequencies(c.rope_dim, layer.rope_stride)]
             errors[c] += streamer.attention_error(i, src, mla, c.rank, c.rope_dim, slots, layer.residual_scale)
         streamer.advance(i, src)
@@ -517,6 +520,7 @@ def best_calibrated_layer(i: int, src: SourceAttention, plan: Plan, streamer: So
     attention-output error measured on the held-out calibration windows; then, with ``refinement`` steps,
     refine it by gradient steps on other calibration windows and keep that only if it measures better."""
     stats = streamer.stats(i, src)
+    linear = streamer.stand_in(i, src, stats.metric)  # src itself, unless it has QK-norm
     spec, layer = plan.spec, plan.layer
     freqs = spec.rope_frequencies(streamer.options.tokens.shape[1])  # LongRoPE: as at the calibration length
     slots = freqs[rope.kept_frequencies(layer.rope_dim, layer.rope_stride)]
@@ -527,7 +531,7 @@ def best_calibrated_layer(i: int, src: SourceAttention, plan: Plan, streamer: So
 
     best = None
     for label, options, use_stats in calibrated_candidates(layer, search):
-        latent, report = factor_attention(src, plan.shape, options, stats if use_stats else None)
+        latent, report = factor_attention(linear, plan.shape, options, stats if use_stats else None)
         mla, report.latent_bound, report.attention_error = measured(latent)
         report.variant = label
         if best is None or report.attention_error < best[2].attention_error:

@@ -107,7 +107,9 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
             src = read_attention(reader, spec, i)
             if streamer:
                 stats = streamer.stats(i, src)
+                linear = streamer.stand_in(i, src, stats.metric)
                 streamer.advance(i, src)
+                src = linear
             else:
                 stats = stats_for_layer(i, src) if stats_for_layer else None
             layer_options = calibrated_layer_options(plan.layer) if calibrated else plan.layer

@@ -139,6 +139,9 @@ def test_calibrated_conversion_is_measured_against_the_true_norms(tiny_model, tm
                                                                 calib=[str(calib)], calib_window=32))
     assert report["architecture"] == "Qwen3" and report["mode"] == "calibrated"
     assert all(1e-4 < error < 1 for error in report["attention_error"])
+    assert any(w.startswith("the source's RMSNorm on each query and key head (QK-norm)") for w in
+               report["serving"]["warnings"])
+    assert "QK-norm" in (tmp_path / "out" / "README.md").read_text()  # the model card says it too
     assert type(load_causal_lm(tmp_path / "out")).__name__ == "DeepseekV3ForCausalLM"
 
 

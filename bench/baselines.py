@@ -30,6 +30,13 @@ the residual-stream ε rescale, the same bias folds,
     mlaconv does (TransMLA projects both into a truncated latent bias). In every method a q bias is
     dropped and reported (stock DeepSeek-V3 has no ``q_proj.bias``).
 
+QK-norm (Qwen3's q_norm / k_norm on each head): neither pipeline has a place for it. Both take the raw
+q_proj / k_proj rows and drop the norms, as TransMLA's converter does (its output model has no q_norm /
+k_norm; TransMLA issue #22: Qwen3 PPL 8 → 50,000+). ``convert_transmla(..., qk_norm="stand-in")`` instead
+gives TransMLA mlaconv's least-squares linear stand-ins (``mla.qk_norm``, fitted on the same calibration
+ids) in place of the normalised heads: that separates what the stand-in does from what the rest of
+mlaconv does.
+
 Calibration ids [n, w] are run through the model loaded whole (``AutoModelForCausalLM``, float32):
 a forward pre-hook on every ``self_attn.q_proj`` collects the second moment of the attention input
 x = γ ⊙ ĥ; every activation statistic used is a quadratic form in it.
@@ -54,6 +61,7 @@ import torch
 
 from mlaconv import deepseek
 from mlaconv.arch import SourceSpec
+from mlaconv.calibrate import CalibrationOptions, SourceStreamer
 from mlaconv.conversion import (TOKENIZER_FILES, Shapes, load_source, plan_shapes, read_attention, residual_scale,
                              write_layer, write_outer_tensors)
 from mlaconv.io import CheckpointReader, ShardedWriter, atomic_output_dir
@@ -177,6 +185,18 @@ def source_layers(source: str | Path, rank: int | None, kv_keep: float | None, r
     return spec, shapes, layers
 
 
+def stand_in_layers(source: str | Path, layers: list[SourceAttention], ids: torch.Tensor) -> list[SourceAttention]:
+    """Each QK-normed layer replaced by mlaconv's least-squares linear stand-in, fitted on ids [n, w]."""
+    _, spec, reader = load_source(str(source))
+    streamer = SourceStreamer(reader, spec, CalibrationOptions(ids))
+    linear = []
+    for i, src in enumerate(layers):
+        linear.append(streamer.stand_in(i, src, streamer.stats(i, src)))
+        streamer.advance(i, src)
+    reader.close()
+    return linear
+
+
 # ------------------------------------------------------------------------------------------- joint SVD
 
 
@@ -207,7 +227,7 @@ def convert_joint_svd(source: str | Path, out: str | Path, *, kv_keep: float | N
 
     Shapes as ``mlaconv convert`` (exactly one of kv_keep / rank; rope_dim optional). ``rope_stride``
     defaults to d // R, TransMLA's frequency subset spread over the whole spectrum (no optimisation);
-    pass mlaconv's chosen stride to compare at equal frequencies.
+    pass mlaconv's chosen stride to compare at equal frequencies. QK-norm is dropped (no data to fit a stand-in).
     """
     started = time.perf_counter()
     spec, shapes, layers = source_layers(source, rank, kv_keep, rope_dim)
@@ -348,15 +368,20 @@ def freqfold_candidates(head_dim: int, rope_dim: int) -> list[int]:
 
 def convert_transmla(source: str | Path, out: str | Path, calib_ids: torch.Tensor, *, kv_keep: float | None = None,
                      rank: int | None = None, rope_dim: int | None = None, freqfold: int | None = None,
-                     batch_size: int = 8, dtype: str = "float32") -> dict:
+                     batch_size: int = 8, dtype: str = "float32", qk_norm: str = "dropped") -> dict:
     """Write the ``transmla`` baseline of ``source`` to ``out``, calibrated on ``calib_ids`` [n, w].
 
     Shapes as ``mlaconv convert``; R must divide d (collapse = d // R). ``freqfold=None`` searches
     collapse·2^k while the partial-RoPE model's calibration perplexity improves (TransMLA's auto);
-    the report lists every perplexity tried.
+    the report lists every perplexity tried. ``qk_norm``: "dropped" (TransMLA's own behaviour) or
+    "stand-in" (mlaconv's linear stand-ins, fitted on ``calib_ids``).
     """
     started = time.perf_counter()
     spec, shapes, layers = source_layers(source, rank, kv_keep, rope_dim)
+    if qk_norm == "stand-in":
+        layers = stand_in_layers(source, layers, calib_ids)
+    elif qk_norm != "dropped":
+        raise ValueError(f"qk_norm must be 'dropped' or 'stand-in', got {qk_norm!r}")
     shape = attention_shape(spec)
     d, R = spec.head_dim, shapes.rope_dim
     if d % R:

@@ -3,14 +3,18 @@
 Methods, all written as stock DeepSeek-V3 checkpoints with the same shapes and the same exact
 plumbing (tiny-latent norm, residual rescale), so that only the factorization differs:
   (a) joint-svd   plain joint weight SVD, head-averaged RoPE key (MHA2MLA's initialisation)
-  (b) transmla    our re-implementation of TransMLA (activation PCA, RoRoPE, FreqFold, BKV)
+  (b) transmla    our re-implementation of TransMLA (activation PCA, RoRoPE, FreqFold, BKV); QK-norm dropped,
+                  as TransMLA does
+  (b') transmla-si the same on mlaconv's linear stand-ins of QK-normed heads (QK-norm models only)
   (c) mlaconv-w   mlaconv weights-only
   (d) mlaconv-c   mlaconv calibrated (same calibration windows as (b); --kv-keep split search)
 Calibration and evaluation text never overlap (see bench/train_models.py). Models: stories260K
 (bundled) and the trained bench models under bench/_work/models (python bench/train_models.py …).
+A method that refuses a model (weights-only on QK-norm) gives a row with the one-line reason.
 
     python bench/fidelity.py                       # every model found, cuts 50/75/87.5%
     python bench/fidelity.py --models llama-docs --cuts 0.5 --methods mlaconv-c --refine-steps 0
+    python bench/fidelity.py --models qwen3-docs --methods joint-svd,transmla,transmla-si,mlaconv-w,mlaconv-c
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ from baselines import convert_joint_svd, convert_transmla  # noqa: E402
 from eval_lib import CALIB_WINDOWS, WINDOW, calibration_file, calibration_ids, eval_source, fidelity  # noqa: E402
 
 from mlaconv.conversion import ConvertOptions, convert  # noqa: E402
+from mlaconv.errors import MlaconvError  # noqa: E402
 
 MODELS = {
     "stories260K": HERE.parent / "examples" / "stories260K",
     "llama-docs": HERE / "_work" / "models" / "llama-docs",
     "qwen2-docs": HERE / "_work" / "models" / "qwen2-docs",
+    "qwen3-docs": HERE / "_work" / "models" / "qwen3-docs",
 }
-METHODS = ("joint-svd", "transmla", "mlaconv-w", "mlaconv-c")
+METHODS = ("joint-svd", "transmla", "mlaconv-w", "mlaconv-c")  # the default; transmla-si on request
 
 
 def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_steps: int | None,
@@ -44,8 +50,9 @@ def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_step
     if method == "joint-svd":
         report = convert_joint_svd(source, out, kv_keep=kv_keep)
         return {"r": report["kv_lora_rank"], "R": report["qk_rope_head_dim"]}
-    if method == "transmla":
-        report = convert_transmla(source, out, calibration_ids(source), kv_keep=kv_keep)
+    if method in ("transmla", "transmla-si"):
+        report = convert_transmla(source, out, calibration_ids(source), kv_keep=kv_keep,
+                                  qk_norm="stand-in" if method == "transmla-si" else "dropped")
         return {"r": report["kv_lora_rank"], "R": report["qk_rope_head_dim"], "freqfold": report.get("freqfold")}
     options = ConvertOptions(kv_keep=kv_keep, verify=False, dtype="float32")
     if method == "mlaconv-c":
@@ -65,7 +72,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
     parser.add_argument("--cuts", default="0.5,0.75,0.875", help="KV-cache cuts (1 − kv_keep)")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated: " + ", ".join(METHODS) + ", transmla-si")
     parser.add_argument("--refine-steps", type=int, default=None,
                         help="mlaconv-c: layer-wise refinement steps (default: mlaconv's own default)")
     parser.add_argument("--refine-batch", type=int, default=4, help="mlaconv-c: windows per step with --refine-steps")
@@ -86,8 +94,13 @@ def main() -> None:
                 out = args.work / name / f"{method}-{int(round(cut * 1000))}"
                 shutil.rmtree(out, ignore_errors=True)
                 started = time.perf_counter()
-                chosen = run_method(method, source, out, 1 - cut, args.refine_steps, args.refine_batch,
-                                    args.refine_check_every)
+                try:
+                    chosen = run_method(method, source, out, 1 - cut, args.refine_steps, args.refine_batch,
+                                        args.refine_check_every)
+                except MlaconvError as refusal:
+                    rows.append({"model": name, "method": method, "cut": cut, "refused": str(refusal)})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                    continue
                 seconds = time.perf_counter() - started
                 row = {"model": name, "method": method, "cut": cut, **chosen, "convert_s": round(seconds, 1),
                        **fidelity(source, out, eval_source(source))}
@@ -96,6 +109,9 @@ def main() -> None:
     print("| model | method | cut | r+R | PPL source → converted | drift | KL | top-1 |")
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
+        if "refused" in row:
+            print(f"| {row['model']} | {row['method']} | {row['cut']:.1%} | refused: {row['refused']} |")
+            continue
         print(f"| {row['model']} | {row['method']} | {row['cut']:.1%} | {row['r']}+{row['R']} | "
               f"{row['ppl_source']:.2f} → {row['ppl']:.2f} | {row['drift']:+.1%} | {row['kl']:.4f} | {row['top1']:.3f} |")
     if args.json:

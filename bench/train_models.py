@@ -2,6 +2,7 @@
 
     python bench/train_models.py llama              # → bench/_work/models/llama-docs
     python bench/train_models.py qwen2              # → bench/_work/models/qwen2-docs
+    python bench/train_models.py qwen3              # → bench/_work/models/qwen3-docs
     python bench/train_models.py stories-calib      # → bench/_work/stories260K_calib.jsonl
     python bench/train_models.py heldout --out bench/_work/models/llama-docs   # rewrite calib.txt (below)
 
@@ -240,11 +241,15 @@ RECIPES = {
     # GQA Qwen2 with q/k/v biases, group 2: 64-dim heads (32 RoPE frequencies), Qwen's ε 1e-6.
     "qwen2": Recipe("qwen2", hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=640,
                     rms_norm_eps=1e-6),
+    # GQA Qwen3: qwen2-docs' shape without biases, with per-head q/k RMSNorm before RoPE (QK-norm).
+    "qwen3": Recipe("qwen3", hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=640,
+                    rms_norm_eps=1e-6),
 }
 
 
 def build_model(recipe: Recipe, vocab: int, eos: int):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     common = dict(vocab_size=vocab, hidden_size=recipe.hidden, intermediate_size=recipe.intermediate,
                   num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads,
@@ -253,6 +258,8 @@ def build_model(recipe: Recipe, vocab: int, eos: int):
                   bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     if recipe.family == "llama":
         return LlamaForCausalLM(LlamaConfig(attention_bias=False, **common))
+    if recipe.family == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(attention_bias=False, use_sliding_window=False, **common))
     return Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, **common))
 
 

@@ -15,10 +15,11 @@ def make_model(path: Path, family: str = "llama", *, heads: int = 4, kv_heads: i
                head_dim: int | None = None, layers: int = 2, eps: float = 1e-6, vocab: int = 96,
                seed: int = 0, dtype: torch.dtype = torch.float32, scale: float = 0.2, **extra) -> Path:
     """Save a random model of the given family (weights ~ N(0, scale), norms around 1) to ``path``."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "mistral": (MistralConfig, MistralForCausalLM)}
+               "mistral": (MistralConfig, MistralForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
     config_cls, model_cls = classes[family]
     torch.manual_seed(seed)
     config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,

@@ -128,3 +128,19 @@ def test_rorope_basis_is_orthogonal_with_rope_slots_first(rope_dim, freqfold):
     re_rows = (torch.arange(2)[:, None] * 16 + torch.arange(8)).flatten()
     assert torch.equal(basis[re_rows, 0], basis[re_rows + 8, 1])
     assert basis[re_rows + 8, 0].abs().max() == 0
+
+
+def test_transmla_on_qwen3_drops_the_norms_unless_given_the_stand_ins(tiny_model, tmp_path):
+    """TransMLA has no place for QK-norm: by default it drops the norms (as its converter does); with mlaconv's
+    linear stand-ins it factors those instead. At full rank (MQA) that is the only loss, and the stand-ins lose
+    far less (KL per token from the source, computed here from transformers' logits)."""
+    src = tiny_model(family="qwen3", heads=4, kv_heads=1, head_dim=16)
+    calib = torch.randint(0, 96, (32, 32), generator=torch.Generator().manual_seed(2))
+    reference = logits(src).log_softmax(-1)
+    kl = {}
+    for mode in ("dropped", "stand-in"):
+        report = convert_transmla(src, tmp_path / mode, calib, freqfold=1, rank=16, rope_dim=16, qk_norm=mode)
+        assert report["kv_lora_rank"] == 16
+        converted = logits(tmp_path / mode).log_softmax(-1)
+        kl[mode] = (reference.exp() * (reference - converted)).sum(-1).mean().item()
+    assert kl["stand-in"] < kl["dropped"] / 4

@@ -198,9 +198,8 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
 
 
 @pytest.mark.parametrize("config, reasons", [
-    (lambda: hf.Qwen3Config(**SMALL), ["Qwen3", "(q_norm, k_norm)", "calibrated conversion (not yet supported)"]),
-    (lambda: hf.Olmo2Config(**SMALL), ["OLMo-2", "post-norms", "(q_norm, k_norm)"]),
-    (lambda: hf.Gemma3TextConfig(**SMALL), ["Gemma-3", "(q_norm, k_norm)", "sliding-window layers", "GeGLU"]),
+    (lambda: hf.Olmo2Config(**SMALL), ["OLMo-2", "post-norms", "(q_norm, k_norm)", "over all heads at once"]),
+    (lambda: hf.Gemma3TextConfig(**SMALL), ["Gemma-3", "sliding-window layers", "GeGLU", "q/k RMSNorm alone would"]),
     (lambda: hf.GemmaConfig(**SMALL), ["would fold exactly", "GeGLU MLP (gelu_pytorch_tanh)", "SiLU only"]),
     (lambda: hf.Gemma2Config(**SMALL), ["soft-capping", "sliding-window layers", "GeGLU"]),
     (lambda: hf.OlmoConfig(**SMALL), ["non-parametric LayerNorm"]),
@@ -213,7 +212,7 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
     (lambda: hf.PhiConfig(**SMALL), ["Phi-1/2", "LayerNorm", "parallel block"]),
     (lambda: hf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4), ["learned absolute position embeddings"]),
     (lambda: hf.MixtralConfig(**SMALL), ["mixture-of-experts"]),
-    (lambda: hf.Qwen3MoeConfig(**SMALL), ["(q_norm, k_norm)", "mixture-of-experts"]),
+    (lambda: hf.Qwen3MoeConfig(**SMALL), ["mixture-of-experts", "q/k RMSNorm alone would convert with calibration"]),
 ])
 def test_refusals_name_the_reason(config, reasons):
     message = refusal(config())

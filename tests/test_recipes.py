@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 CONFIGS = ROOT / "tests" / "data" / "configs"
 REQUIRED = {"llama-2-7b", "llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.3", "qwen2.5-0.5b",
-            "qwen2.5-1.5b", "qwen2.5-7b", "phi-3.5-mini", "phi-4-mini", "smollm3-3b", "granite-3.3-2b", "granite-3.3-8b"}
-REFUSED_CONFIGS = sorted((CONFIGS / "refused").glob("*.json"))  # published configs with no recipe: why not
+            "qwen2.5-1.5b", "qwen2.5-7b", "phi-3.5-mini", "phi-4-mini", "smollm3-3b", "granite-3.3-2b", "granite-3.3-8b",
+            "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"}
 
 
 def spec_for(name: str) -> SourceSpec:
@@ -48,7 +48,6 @@ def test_every_required_model_has_a_recipe_and_its_config():
     names = {path.stem for path in RECIPES}
     assert REQUIRED <= names
     assert names == {path.stem for path in CONFIGS.glob("*.json")}
-    assert {path.stem for path in REFUSED_CONFIGS} == {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"}
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.stem)
@@ -101,12 +100,14 @@ def test_new_family_configs_have_the_published_shapes():
         assert granite.config["embedding_multiplier"] == 12.0 and granite.config["residual_multiplier"] == 0.22
 
 
-@pytest.mark.parametrize("path", REFUSED_CONFIGS, ids=lambda path: path.stem)
-def test_families_without_a_recipe_are_refused_with_the_reason(path):
-    """Qwen3 ships no recipe: its q/k RMSNorm needs calibrated conversion, which is not supported yet."""
-    with pytest.raises(MlaconvError, match=r"cannot convert model_type 'qwen3': .*\(q_norm, k_norm\).*not yet supported"):
-        SourceSpec.from_config(json.loads(path.read_text()))
-    assert not (ROOT / "recipes" / f"{path.stem}.yaml").exists()
+def test_qwen3_configs_have_the_published_shapes_and_qk_norm():
+    for size, hidden, layers, heads, tied in (("0.6b", 1024, 28, 16, True), ("1.7b", 2048, 28, 16, True),
+                                              ("4b", 2560, 36, 32, True), ("8b", 4096, 36, 32, False)):
+        qwen3 = spec_for(f"qwen3-{size}")
+        assert (qwen3.family.label, qwen3.family.qk_norm, qwen3.hidden_size, qwen3.num_layers, qwen3.num_heads,
+                qwen3.num_kv_heads, qwen3.head_dim, qwen3.tie_word_embeddings) == ("Qwen3", True, hidden, layers,
+                                                                                    heads, 8, 128, tied)
+        assert qwen3.rope_theta == 1e6 and qwen3.rope_scaling is None and not qwen3.qkv_bias
 
 
 def test_recipe_for_another_model_is_refused():

@@ -26,12 +26,13 @@ FAMILIES: tuple[Family, ...] = (
          upstreamed_code=("configuration_phi3.Phi3Config", "modeling_phi3.Phi3ForCausalLM")),
     Granite("Granite", ("granite",), qkv_bias="config", o_bias="config"),
     SmolLM3("SmolLM3", ("smollm3",), qkv_bias="config", o_bias="config", sliding_window_flag="use_sliding_window"),
+    Family("Qwen3", ("qwen3",), qkv_bias="config", o_bias="config", sliding_window_flag="use_sliding_window",
+           qk_norm=True),
 )
 
 # What the DeepSeek-V3 block cannot hold, by feature; REFUSED names them per model_type.
-QK_NORM = ("RMSNorm on the queries and keys (q_norm, k_norm) before RoPE: a norm of each token's own key is "
-           "not a linear map of the hidden state, which a latent must be; this needs calibrated conversion "
-           "(not yet supported)")
+QK_NORM = "RMSNorm on the queries and keys (q_norm, k_norm) before RoPE"
+QK_NORM_ALONE = "its per-head q/k RMSNorm alone would convert with calibration, as Qwen3's does"
 POST_NORMS = "norms on the attention and MLP outputs (post-norms), which the DeepSeek-V3 block has no place for"
 LAYER_NORM = "LayerNorm (mean-subtracting) where DeepSeek-V3 has RMSNorm"
 PARALLEL = "a parallel block (attention and MLP read the same input), where DeepSeek-V3 runs them in sequence"
@@ -46,16 +47,15 @@ ALIBI = "ALiBi position biases instead of RoPE"
 RELU2 = "a non-gated ReLU² MLP, where DeepSeek-V3's is SwiGLU"
 
 REFUSED: dict[str, str] = {
-    "qwen3": f"Qwen3 uses per-head {QK_NORM}",
-    "qwen3_moe": f"Qwen3-MoE uses per-head {QK_NORM}, and {MOE}",
-    "olmo2": f"OLMo-2 has {POST_NORMS}, and {QK_NORM}",
-    "olmo3": f"OLMo-3 has {POST_NORMS}, {SLIDING}, and {QK_NORM}",
-    "exaone4": f"EXAONE-4 has {POST_NORMS}, {SLIDING}, and per-head {QK_NORM}",
+    "qwen3_moe": f"Qwen3-MoE has {MOE} ({QK_NORM_ALONE})",
+    "olmo2": f"OLMo-2 has {POST_NORMS}, and {QK_NORM} over all heads at once (mlaconv fits per-head QK-norm only)",
+    "olmo3": f"OLMo-3 has {POST_NORMS}, {SLIDING}, and {QK_NORM} over all heads at once",
+    "exaone4": f"EXAONE-4 has {POST_NORMS} and {SLIDING} ({QK_NORM_ALONE})",
     "gemma": ("Gemma's √hidden embedding scale and (1 + w) RMSNorms would fold exactly into the weights, but it has "
               f"{GEGLU}"),
     "gemma2": f"Gemma-2 has {SOFTCAP}, {POST_NORMS}, {SLIDING} and {GEGLU}",
-    "gemma3_text": f"Gemma-3 has per-head {QK_NORM}; and {POST_NORMS}, {SLIDING} and {GEGLU}",
-    "gemma3": f"Gemma-3 has per-head {QK_NORM}; and {POST_NORMS}, {SLIDING} and {GEGLU}",
+    "gemma3_text": f"Gemma-3 has {POST_NORMS}, {SLIDING} and {GEGLU} ({QK_NORM_ALONE})",
+    "gemma3": f"Gemma-3 has {POST_NORMS}, {SLIDING} and {GEGLU} ({QK_NORM_ALONE})",
     "olmo": "OLMo-1 uses a non-parametric LayerNorm (mean-subtracting, no weight) where DeepSeek-V3 has RMSNorm",
     "cohere": f"Command-R (Cohere) uses {LAYER_NORM}, {PARALLEL}, and a logit scale",
     "cohere2": f"Command-R7B (Cohere2) uses {LAYER_NORM}, {PARALLEL}, and {SLIDING}",
@@ -82,7 +82,11 @@ REFUSED: dict[str, str] = {
 }
 
 SUPPORTED_TEXT = ("supported: Llama (1/2/3.x), Mistral, Ministral, Qwen2/2.5, Phi-3/3.5/4-mini, Granite (3.x), "
-                  "SmolLM3 (MHA, GQA or MQA)")
+                  "SmolLM3 (MHA, GQA or MQA); Qwen3 with calibration")
+QK_NORM_NEEDS_CALIBRATION = (
+    "{label} RMS-normalises each query and key head (q_norm, k_norm) before RoPE, which no weights-only conversion "
+    "can express: it needs calibration data (--calib FILE or --calib-dataset NAME) to fit and measure a linear "
+    "stand-in")
 _EXACT_ROPE_TYPES = {"default", "linear", "llama3", "longrope"}
 _CODE_KEYS = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")  # auto_map entries that would run model code
 

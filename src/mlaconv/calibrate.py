@@ -7,9 +7,9 @@ converter weighs (key/query energies per frequency, K/V output energies) is a qu
 that matrix, so this is all the data it needs.
 
 The windows are split three ways (``split_windows``; disjoint, recorded in the report by index):
-*fit* windows give E[x xᵀ], the attention profile μ and the refinement's gradient steps; *select*
-windows make every choice (each layer's variant, the (r, R) split, the refinement's best step and
-whether it is kept); *audit* windows are only measured on: every per-layer figure of the report, and
+*fit* windows give E[x xᵀ], the attention profile μ, a QK-norm layer's linear stand-in and the refinement's
+gradient steps; *select* windows make every choice (each layer's variant, the (r, R) split, the refinement's
+best step and whether it is kept); *audit* windows are only measured on: every per-layer figure of the report, and
 the whole-model comparison of the converted models with the source (``followed`` models, ``agreement``).
 """
 
@@ -28,10 +28,11 @@ from mlaconv.io.text import load_dataset_text, read_text, read_token_lines
 from mlaconv.io import CheckpointReader
 from mlaconv.models import load_tokenizer
 from mlaconv.progress import Progress, no_progress
+from mlaconv.mla import qk_norm
 from mlaconv.mla.attention import LayerStats, MLAAttention, SourceAttention
 from mlaconv.mla.rope import pair_frequencies
-from mlaconv.reference import (Heads, attention_by_distance, mla_attention, mlp_block, rms_norm, rope_angles,
-                               source_attention)
+from mlaconv.reference import (Heads, attention_by_distance, mla_attention, mlp_block, query_key, rms_norm,
+                               rope_angles, source_attention)
 
 
 def load_calibration_tokens(source: Path, spec: SourceSpec, files: list[str], dataset: str | None,
@@ -148,6 +149,7 @@ class SourceStreamer:
         self.next_layer = 0
         self._pairs: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}  # set → layer, inputs, source outputs
         self._audit_metric: tuple[int, torch.Tensor] | None = None
+        self._norm_moments: tuple[int, qk_norm.NormMoments] | None = None
         self.followed: dict[str, torch.Tensor] = {}  # converted models' residual streams on the audit windows
 
     @property
@@ -171,19 +173,25 @@ class SourceStreamer:
     def stats(self, i: int, attention: SourceAttention) -> LayerStats:
         """Layer i's E[x xᵀ] [H, H] and attention profile μ [N, F], from the fit windows only.
 
-        E[x xᵀ] of the audit windows is accumulated too, for ``audit_metric``.
+        E[x xᵀ] of the audit windows is accumulated too, for ``audit_metric``; for a layer with QK-norm, so are
+        E[q̃ xᵀ] and E[k̃ xᵀ] of its normalised queries and keys on the fit windows, for ``stand_in``.
         """
         self._check_layer(i)
         weights = self._on_device(attention)
         H, S = self.spec.hidden_size, self.options.tokens.shape[1]
         moment = torch.zeros(H, H, dtype=torch.float64, device=self.device)
         audit_moment = torch.zeros(H, H, dtype=torch.float64, device=self.device)
+        cross = [torch.zeros(w.shape[0], H, dtype=torch.float64, device=self.device)
+                 for w in ((weights.q, weights.k) if attention.has_qk_norm else ())]  # E[q̃ xᵀ], E[k̃ xᵀ] sums
         by_distance = torch.zeros(self.spec.num_heads, S, dtype=torch.float64, device=self.device)
         profiled = 0
         with torch.no_grad():
             for windows in self._batches(self.split.fit):
                 x = self._inputs(windows, weights)
-                moment += x.flatten(0, 1).T.double() @ x.flatten(0, 1).double()
+                flat = x.flatten(0, 1).double()
+                moment += flat.T @ flat
+                for total, y in zip(cross, query_key(x, weights, self.heads)):  # [B, heads, S, d]; none without norms
+                    total += y.transpose(1, 2).flatten(2).flatten(0, 1).T.double() @ flat
                 if profiled < self.options.profile_windows:
                     by_distance += attention_by_distance(x, weights, self.heads, self._angles(attention)).double()
                     profiled += len(windows)
@@ -194,14 +202,26 @@ class SourceStreamer:
         phases = torch.exp(-1j * torch.arange(S, dtype=torch.float64)[:, None] * freqs[None, :])  # [S, F]
         rotation_mean = (by_distance.cpu().to(torch.complex128) @ phases) / (profiled * S)
         rotation_mean[:, freqs == 0] = 1  # a pair that never turns keeps its whole alignment
+        fit_tokens = len(self.split.fit) * S
         self._audit_metric = (i, (audit_moment / max(1, len(self.split.audit) * S)).cpu())
-        return LayerStats(metric=(moment / (len(self.split.fit) * S)).cpu(), rotation_mean=rotation_mean)
+        self._norm_moments = (i, qk_norm.NormMoments(*(c.cpu() / fit_tokens for c in cross))) if cross else None
+        return LayerStats(metric=(moment / fit_tokens).cpu(), rotation_mean=rotation_mean)
 
     def audit_metric(self, i: int) -> torch.Tensor:
         """E[x xᵀ] [H, H] float64 of layer i's inputs on the audit windows (after ``stats(i, …)``)."""
         if self._audit_metric is None or self._audit_metric[0] != i:
             raise RuntimeError(f"no audit statistics for layer {i}: call stats({i}, …) first")
         return self._audit_metric[1]
+
+    def stand_in(self, i: int, attention: SourceAttention, stats: LayerStats) -> SourceAttention:
+        """Layer i itself, or for a layer with QK-norm the least-squares linear stand-in of its normalised queries
+        and keys (``mla.qk_norm``), fitted on the fit windows (after ``stats(i, …)``): what is factored, while
+        every measurement and the followed models run the true layer."""
+        if not attention.has_qk_norm:
+            return attention
+        if self._norm_moments is None or self._norm_moments[0] != i:
+            raise RuntimeError(f"no QK-norm moments for layer {i}: call stats({i}, …) first")
+        return qk_norm.stand_in(attention.cast(dtype=torch.float64), stats.metric, self._norm_moments[1])
 
     def attention_error(self, i: int, attention: SourceAttention, converted: MLAAttention, rank: int,
                         rope_dim: int, slot_frequencies: torch.Tensor, residual_scale: float,
@@ -284,7 +304,7 @@ class SourceStreamer:
         """
         self._check_layer(i)
         self._pairs.clear()
-        self._audit_metric = None
+        self._audit_metric = self._norm_moments = None
         attention = self._on_device(attention)
         mlp = self.weights.mlp(i, self.device, torch.float32)
         eps = self.spec.rms_norm_eps

@@ -111,8 +111,9 @@ def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
     for i in progress(range(spec.num_layers), "choosing r and R", spec.num_layers):
         src = read_attention(plan.reader, spec, i)
         stats = streamer.stats(i, src)
+        linear = streamer.stand_in(i, src, stats)  # src itself, unless it has QK-norm
         for c, layer in layers.items():
-            mla, _ = convert_attention(src, plan.shape, calibrated_layer_options(layer), stats)
+            mla, _ = convert_attention(linear, plan.shape, calibrated_layer_options(layer), stats)
             run = layer_run(spec, layer, tokens.shape[1])
             errors[c] += streamer.attention_error(i, src, mla, run.rank, run.rope_dim, run.slot_frequencies,
                                                   run.residual_scale, windows="select")
@@ -208,7 +209,7 @@ def calibrate_layer(i: int, src: SourceAttention, plan: Plan, streamer: SourceSt
     select windows) and keep that too if it beats the closed form there. Every reported figure is then
     re-measured on the audit windows, for the closed form and the refined layer alike."""
     stats = streamer.stats(i, src)
-    audit_metric = streamer.audit_metric(i)
+    audit_metric, linear = streamer.audit_metric(i), streamer.stand_in(i, src, stats)  # linear: src unless QK-norm
     layer, run = plan.layer, layer_run(plan.spec, plan.layer, streamer.options.tokens.shape[1])
 
     def error(mla: MLAAttention, windows: str) -> float:
@@ -224,7 +225,7 @@ def calibrate_layer(i: int, src: SourceAttention, plan: Plan, streamer: SourceSt
     measured: dict[str, float] = {}
     best = None
     for label, options, use_stats in calibrated_candidates(layer, search):
-        latent, report = factor_attention(src, plan.shape, options, stats if use_stats else None)
+        latent, report = factor_attention(linear, plan.shape, options, stats if use_stats else None)
         mla, report.latent_bound = assemble(latent, plan.shape, layer, src.input_norm, stats.metric)
         measured[label] = error(mla, "select")
         if best is None or measured[label] < measured[best[0]]:

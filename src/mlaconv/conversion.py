@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from mlaconv import __version__, deepseek
-from mlaconv.arch import SourceSpec
+from mlaconv.arch import QK_NORM_NEEDS_CALIBRATION, SourceSpec
 from mlaconv.errors import MlaconvError
 from mlaconv.evaluate import TokenSource, evaluate_perplexity
 from mlaconv.families import SourceWeights
@@ -240,6 +240,8 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
         from mlaconv.recipes import check_recipe, load_recipe
 
         check_recipe(load_recipe(options.recipe), spec)
+    if spec.family.qk_norm and not options.calibrated:
+        raise MlaconvError(QK_NORM_NEEDS_CALIBRATION.format(label=spec.family.label))
     shapes = plan_shapes(spec, options.rank, options.kv_keep, options.rope_dim)
     searched = options.calibrated and options.kv_keep is not None and options.rope_dim is None  # see calibrated.search_shapes
     if (options.rope_stride is not None and not searched

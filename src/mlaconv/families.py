@@ -8,6 +8,9 @@ softmax scale d^-½, no multipliers. A family only says how its checkpoint maps 
 - ``modify``: what to fold into it (Granite's multipliers);
 - ``rope_layers``: which layers rotate at all (SmolLM3 leaves every fourth without RoPE).
 
+A family with ``qk_norm`` (Qwen3) also RMS-normalises each query and key head before RoPE; its layers carry
+the two norm weights, and only a calibrated conversion takes them (``mla.qk_norm``).
+
 Partial rotary and LongRoPE's attention factor are config, not family, matters: ``SourceWeights`` puts
 the non-rotated head dims into rotate-half pairs of frequency 0 and folds the factor into the query.
 """
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 import torch
 
 from mlaconv.errors import MlaconvError
+from mlaconv.mla import qk_norm
 from mlaconv.mla.attention import SourceAttention
 from mlaconv.reference import MLPWeights
 
@@ -36,6 +40,7 @@ LM_HEAD = "lm_head.weight"
 Q, K, V, O = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"
 GATE, UP, DOWN = "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"
 INPUT_NORM = "input_layernorm.weight"
+Q_NORM, K_NORM = "self_attn.q_norm.weight", "self_attn.k_norm.weight"
 POST_ATTENTION_NORM = "post_attention_layernorm.weight"
 W, B = ".weight", ".bias"
 
@@ -58,6 +63,7 @@ class Family:
     sliding_window_flag: str | None = None  # config key that switches sliding windows on (None: window alone)
     partial_rotary: bool = False  # whether transformers' class honours partial_rotary_factor
     upstreamed_code: tuple[str, ...] = ()  # auto_map classes that transformers ships natively (never run)
+    qk_norm: bool = False  # RMSNorm on each query and key head before RoPE (q_norm, k_norm [d])
 
     def check_config(self, config: dict) -> None:
         """Refuse, in one line, a malformed family-specific setting (nothing to check for Llama's layout)."""
@@ -75,6 +81,8 @@ class Family:
             shapes.update({Q + B: (N * d,), K + B: (G * d,), V + B: (G * d,)})
         if spec.o_bias:
             shapes[O + B] = (H,)
+        if self.qk_norm:
+            shapes.update({Q_NORM: (d,), K_NORM: (d,)})
         return shapes
 
     def read(self, get: Reader, spec: "SourceSpec", i: int | None, key: str) -> torch.Tensor:
@@ -194,20 +202,29 @@ class SourceWeights:
         def bias(key: str, present: bool) -> torch.Tensor | None:
             return self.tensor(i, key) if present and layer_name(i, key) in self.reader else None
 
-        q, q_bias = canonical_rope(s, self.tensor(i, Q + W), bias(Q + B, s.qkv_bias), query=True)
+        norms = self.family.qk_norm  # the query's RoPE factor then goes after the norm, on its weight
+        q, q_bias = canonical_rope(s, self.tensor(i, Q + W), bias(Q + B, s.qkv_bias), query=not norms)
         k, k_bias = canonical_rope(s, self.tensor(i, K + W), bias(K + B, s.qkv_bias), query=False)
+        q_norm = k_norm = None
+        if norms:  # one head's weight [d], reordered like the head's rows
+            q_norm = canonical_rope(s, self.tensor(i, Q_NORM)[:, None], None, query=True)[0][:, 0]
+            k_norm = canonical_rope(s, self.tensor(i, K_NORM)[:, None], None, query=False)[0][:, 0]
         attention = SourceAttention(
             q=q, k=k, v=self.tensor(i, V + W), o=self.tensor(i, O + W), input_norm=self.tensor(i, INPUT_NORM),
             q_bias=q_bias, k_bias=k_bias, v_bias=bias(V + B, s.qkv_bias), o_bias=bias(O + B, s.o_bias),
-            rotated=s.rope_layers[i],
+            rotated=s.rope_layers[i], q_norm=q_norm, k_norm=k_norm, qk_norm_eps=s.rms_norm_eps,
         )
         self.release()
         return attention
 
     def key(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's canonical key projection and input norm γ (what the rope stride is chosen from)."""
+        """Layer i's canonical key projection and input norm γ (what the rope stride is chosen from); with QK-norm,
+        its weights-only linear stand-in."""
         k, _ = canonical_rope(self.spec, self.tensor(i, K + W), None, query=False)
         gamma = self.tensor(i, INPUT_NORM)
+        if self.family.qk_norm:
+            norm = canonical_rope(self.spec, self.tensor(i, K_NORM)[:, None], None, query=False)[0][:, 0]
+            k = qk_norm.weights_only_keys(k, norm, gamma)
         self.release()
         return k, gamma
 

@@ -47,12 +47,25 @@ class Heads:
     head_dim: int  # d
 
 
+def query_key(x: torch.Tensor, w: SourceAttention, heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
+    """The source's queries [B, N, S, d] and keys [B, n_kv, S, d] on x [B, S, H], before RoPE; a layer with
+    QK-norm RMS-normalises each head (Qwen3's q_norm, k_norm)."""
+    B, S, _ = x.shape
+    N, G, d = heads.heads, heads.kv_heads, heads.head_dim
+    q = _linear(x, w.q, w.q_bias).view(B, S, N, d)
+    k = _linear(x, w.k, w.k_bias).view(B, S, G, d)
+    if w.q_norm is not None:
+        q = rms_norm(q, w.q_norm, w.qk_norm_eps).to(x.dtype)
+    if w.k_norm is not None:
+        k = rms_norm(k, w.k_norm, w.qk_norm_eps).to(x.dtype)
+    return q.transpose(1, 2), k.transpose(1, 2)
+
+
 def source_attention(x: torch.Tensor, w: SourceAttention, heads: Heads, angles: torch.Tensor) -> torch.Tensor:
     """Causal GQA attention of the source on normalised input x [B, S, H] → [B, S, H] (before the residual)."""
     B, S, _ = x.shape
     N, G, d = heads.heads, heads.kv_heads, heads.head_dim
-    q = _linear(x, w.q, w.q_bias).view(B, S, N, d).transpose(1, 2)
-    k = _linear(x, w.k, w.k_bias).view(B, S, G, d).transpose(1, 2)
+    q, k = query_key(x, w, heads)
     v = _linear(x, w.v, w.v_bias).view(B, S, G, d).transpose(1, 2)
     q, k = rotate_half_pairs(q, angles), rotate_half_pairs(k, angles)
     k, v = k.repeat_interleave(N // G, dim=1), v.repeat_interleave(N // G, dim=1)
@@ -105,8 +118,7 @@ def attention_by_distance(x: torch.Tensor, w: SourceAttention, heads: Heads, ang
     """
     B, S, _ = x.shape
     N, G, d = heads.heads, heads.kv_heads, heads.head_dim
-    q = rotate_half_pairs(_linear(x, w.q, w.q_bias).view(B, S, N, d).transpose(1, 2), angles)
-    k = rotate_half_pairs(_linear(x, w.k, w.k_bias).view(B, S, G, d).transpose(1, 2), angles)
+    q, k = (rotate_half_pairs(t, angles) for t in query_key(x, w, heads))
     k = k.repeat_interleave(N // G, dim=1)
     causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
     distance = (torch.arange(S, device=x.device)[:, None] - torch.arange(S, device=x.device)[None, :]).clamp_min(0)

@@ -40,6 +40,12 @@ def serving_notes(spec: SourceSpec, config: dict, dropped_bias: list[str]) -> di
             f"{', '.join(dropped_bias)} has no place in DeepSeek-V3 on any stack (q_proj has no bias); "
             "its effect is part of the verify figures."
         )
+    if spec.family.qk_norm:
+        warnings.append(
+            "the source's RMSNorm on each query and key head (QK-norm) has no place in DeepSeek-V3 on any stack: "
+            "every layer computes a calibration-fitted linear stand-in instead, refined against the true layer; "
+            "what that costs is in attention_error (per layer) and the verify figures."
+        )
     if config.get("rope_scaling"):
         kind = config["rope_scaling"].get("rope_type", config["rope_scaling"].get("type"))
         warnings.append(

@@ -115,7 +115,9 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
             audit = None
             if streamer:
                 stats, audit = streamer.stats(i, src), streamer.audit_metric(i)
+                linear = streamer.stand_in(i, src, stats)
                 streamer.advance(i, src)
+                src = linear
             else:
                 stats = stats_for_layer(i, src) if stats_for_layer else None
             layer_options = calibrated_layer_options(plan.layer) if calibrated else plan.layer

@@ -59,6 +59,13 @@ class SourceAttention:
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     rotated: bool = True  # False: the layer applies no RoPE at all (SmolLM3's NoPE layers)
+    q_norm: torch.Tensor | None = None  # [d]: RMSNorm weight on each query head before RoPE (Qwen3's QK-norm)
+    k_norm: torch.Tensor | None = None  # [d]: the same on each key head
+    qk_norm_eps: float = 1e-6
+
+    @property
+    def has_qk_norm(self) -> bool:
+        return self.q_norm is not None or self.k_norm is not None
 
     def cast(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "SourceAttention":
         """The same layer with every tensor moved to ``device`` and/or ``dtype``."""
@@ -284,6 +291,8 @@ class LayerAnalysis:
 def analyse_layer(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
                   stats: LayerStats | None = None) -> LayerAnalysis:
     """RoPE split and the latent's spectrum for one layer (float64 copies of ``src`` are used)."""
+    if src.has_qk_norm:
+        raise ValueError("a layer with QK-norm is not linear: factor its linear stand-in (mla.qk_norm) instead")
     src = src.cast(dtype=torch.float64)
     stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)
     mix, choice, plain_kept, shared, k_nope = decompose_keys(src.k, src.q, shape, stats, options, src.rotated)

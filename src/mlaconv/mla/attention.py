@@ -80,6 +80,8 @@ class LayerOptions:
     # weighted by the queries that read them (q·k is what matters), values by W_o (W_o·v is)
     residual_scale: float = 1.0  # α: rescales what o_proj writes into the residual stream
     delta: float = DEFAULT_DELTA  # tiny-latent bound on mean(c²)/ε
+    biases: bool = True  # False: the output has no bias tensors (a serving target that ignores them); the
+    # rope key's bias and W_o·b_v are then dropped here, and a refinement re-fits the layer with them fixed at zero
 
 
 @dataclass
@@ -351,6 +353,11 @@ def factor_attention(src: SourceAttention, shape: AttentionShape, options: Layer
             o_bias += src.o @ src.v_bias.reshape(G, d)[group_of_head].reshape(N * d)
         if src.o_bias is not None:
             o_bias += src.o_bias
+    if not options.biases:
+        for name, bias in (("kv_a_proj_with_mqa.bias", k_rope_bias), ("o_proj.bias", o_bias)):
+            if bias is not None and bias.abs().max() > 0:
+                dropped.append(name)
+        k_rope_bias = o_bias = None
 
     latent = LatentAttention(
         q_nope=nope_query(src.q, shape, stats) * q_scale, q_rope=q_rope * q_scale, down=lat.down,

@@ -508,7 +508,10 @@ def _report(spec: SourceSpec, shapes: Shapes, config: dict, reports: list[LayerR
     element_bytes = torch.empty((), dtype=dtype).element_size()
     energy = [r.energy_retained for r in reports]
     rope_kept = [r.rope_energy_kept for r in reports]
-    dropped = sorted({b for r in reports for b in r.dropped_bias})
+    from mlaconv.engines import BIASES
+
+    dropped = sorted({b for r in reports for b in r.dropped_bias} - set(BIASES))  # no stack holds these; the
+    # biases a target leaves out are in report["target"]
     return {
         "mlaconv_version": __version__,
         "transformers_version": transformers.__version__,

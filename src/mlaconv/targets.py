@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaconv.engines import deepseek_yarn_frequencies
+from mlaconv.engines import BIASES, deepseek_yarn_frequencies
 from mlaconv.errors import MlaconvError
 
 
@@ -103,11 +103,12 @@ def rope_scaling_for(chosen: Target, rope_scaling: dict | None, theta: float, ro
 def target_report(name: str, reports: list, rope_rewrite: dict | None, calibrated: bool) -> dict:
     """The report's ``target`` section: the engines, what was left out of the output for them, and how."""
     chosen = target(name)
-    dropped = sorted({b for r in reports for b in r.dropped_bias if b != "q_proj.bias"})
+    dropped = sorted({b for r in reports for b in r.dropped_bias if b in BIASES})
     note = None
     if dropped:
         note = (f"{' and '.join(dropped)} left out for {', '.join(chosen.engines)}: "
-                + ("each layer was re-fitted with them fixed at zero on the calibration data (refinement)" if calibrated
+                + ("the calibrated conversion re-fitted each layer without them (biases fixed at zero in the "
+                   "refinement, when it runs)" if calibrated
                    else "without calibration data nothing re-fits them; the built-in check measures the cost; pass "
                         "--calib to re-fit, or --target transformers to keep them (transformers only)"))
     return {"name": chosen.name, "engines": list(chosen.engines), "biases_written": chosen.biases,

@@ -36,8 +36,8 @@ ENGINES = {e.name: e for e in (
     Engine("transformers", "5.24.0", biases="kept", rope="transformers", kv_a_eps="hard-coded", interleave="config"),
     Engine("vllm", "0.33.0", biases="dropped", rope="vllm", kv_a_eps="rms_norm_eps", interleave="always"),
     Engine("sglang", "0.5.23", biases="dropped", rope="sglang", kv_a_eps="rms_norm_eps", interleave="config"),
-    Engine("llamacpp", "b6xxx-b7xxx (deepseek2 graph with q_lora_rank 0)", biases="refused", rope="gguf",
-           kv_a_eps="rms_norm_eps", interleave="always"),
+    Engine("llamacpp", "0c1e57098 (llama-cpp-python 0.3.36), as export gguf writes it", biases="refused",
+           rope="gguf", kv_a_eps="rms_norm_eps", interleave="always"),
 )}
 
 

@@ -225,6 +225,7 @@ def _verification(check: dict | None) -> str:
         if key in check:
             values = [check[key]] + [figures.get(key) for figures in measured.values()]
             lines.append(f"| {label} | " + " | ".join(_metric(key, v) for v in values) + " |")
+    lines.append("")
     for name, figures in engines.items():
         if "same_as" in figures:
             lines.append(f"- {name}: same as {figures['same_as']} ({figures['reason']}).")
@@ -232,7 +233,7 @@ def _verification(check: dict | None) -> str:
             lines.append(f"- {name}: refuses this checkpoint: {figures['refused']}.")
         elif "differences" in figures:
             lines.append(f"- {name}: {'; '.join(figures['differences'])}.")
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip()
 
 
 def _evaluation(result) -> str:

@@ -98,4 +98,5 @@ def engine_figures(model, tokens: torch.Tensor, reference: torch.Tensor) -> dict
         else:
             with engines.emulate(model, engine_view):
                 figures[name] = {**compare_logits(reference, model(tokens).logits), "differences": differences}
+        figures[name]["checked"] = engines.ENGINES[name].checked  # the version whose source the record mirrors
     return figures

@@ -49,7 +49,15 @@ def convert(
     quiet: bool = QUIET_OPTION,
     debug: bool = DEBUG_OPTION,
 ) -> None:
-    """Convert an MHA/GQA checkpoint into a native DeepSeek-V3 MLA checkpoint."""
+    """Convert an MHA/GQA checkpoint into a native DeepSeek-V3 MLA checkpoint.
+
+    --json prints the report (also OUT/mlaconv.json). Among its keys: target {name, engines, biases_written,
+    biases_left_out, rope_rewrite (null, or {from, to, max_relative_frequency_gap, slots_differing, slots,
+    note}), note}; verify (transformers' max_abs_logit_diff, max_rel_logit_diff, kl, top1, dtype, windows,
+    tokens, loader) with verify.engines.{transformers, vllm, sglang, llamacpp}: each {same_as, reason} or
+    {refused} or its own max_abs_logit_diff, max_rel_logit_diff, kl, top1 and differences, and checked (the
+    engine version the emulation mirrors); eval (the keys of mlaconv eval perplexity, as transformers computes it).
+    """
     with handle_errors(debug, json_out):
         from mlaconv.convert import ConvertOptions, convert as run_convert
         from mlaconv.errors import MlaconvError

@@ -98,9 +98,10 @@ def _yarn_engine(config, name: str) -> tuple[torch.Tensor, float, float] | str:
     theta, scale = float(params["rope_theta"]), (config.qk_nope_head_dim + R) ** -0.5
     if params["rope_type"] == "default":
         return theta ** (-torch.arange(0, R, 2, dtype=torch.float64) / R), 1.0, scale
-    if name == "vllm" and "original_max_position_embeddings" not in params:
+    missing = [key for key in ("factor", "original_max_position_embeddings") if key not in params]
+    if name == "vllm" and missing:
         return (f"vLLM rewrites rope_type {params['rope_type']!r} to DeepSeek-YaRN and then needs "
-                "original_max_position_embeddings, which this config lacks (KeyError at load)")
+                f"{' and '.join(missing)}, which this config lacks (KeyError at load)")
     factor = float(params.get("factor", 1.0))
     original = int(params.get("original_max_position_embeddings", config.max_position_embeddings))
     freqs = deepseek_yarn_frequencies(theta, R, factor, original, params.get("beta_fast", 32), params.get("beta_slow", 1))

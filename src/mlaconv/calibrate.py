@@ -177,6 +177,7 @@ class SourceStreamer:
         weights = self._on_device(attention)
         H, S = self.spec.hidden_size, self.options.tokens.shape[1]
         moment = torch.zeros(H, H, dtype=torch.float64, device=self.device)
+        total = torch.zeros(H, dtype=torch.float64, device=self.device)
         audit_moment = torch.zeros(H, H, dtype=torch.float64, device=self.device)
         by_distance = torch.zeros(self.spec.num_heads, S, dtype=torch.float64, device=self.device)
         profiled = 0
@@ -184,6 +185,7 @@ class SourceStreamer:
             for windows in self._batches(self.split.fit):
                 x = self._inputs(windows, weights)
                 moment += x.flatten(0, 1).T.double() @ x.flatten(0, 1).double()
+                total += x.flatten(0, 1).double().sum(0)
                 if profiled < self.options.profile_windows:
                     by_distance += attention_by_distance(x, weights, self.heads, self._angles(attention)).double()
                     profiled += len(windows)
@@ -195,7 +197,8 @@ class SourceStreamer:
         rotation_mean = (by_distance.cpu().to(torch.complex128) @ phases) / (profiled * S)
         rotation_mean[:, freqs == 0] = 1  # a pair that never turns keeps its whole alignment
         self._audit_metric = (i, (audit_moment / max(1, len(self.split.audit) * S)).cpu())
-        return LayerStats(metric=(moment / (len(self.split.fit) * S)).cpu(), rotation_mean=rotation_mean)
+        count = len(self.split.fit) * S
+        return LayerStats(metric=(moment / count).cpu(), rotation_mean=rotation_mean, mean=(total / count).cpu())
 
     def audit_metric(self, i: int) -> torch.Tensor:
         """E[x xᵀ] [H, H] float64 of layer i's inputs on the audit windows (after ``stats(i, …)``)."""

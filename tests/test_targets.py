@@ -131,7 +131,35 @@ def test_calibrated_portable_refits_without_biases(tiny_model, tmp_path):
                              refine_steps=30, refine_batch=4, refine_check_every=5)
     report = convert(str(src), tmp_path / "out", options)
     assert not [n for n in tensor_names(tmp_path / "out") if n.endswith(".bias")]
-    assert "re-fitted" in report["target"]["note"]
+    assert "re-fitted" in report["target"]["note"] and "folded" in report["target"]["note"]
     refinements = [s["refinement"] for s in report["calibration"]["selection"]]
     assert any(r["kept"] and r["after"] < r["before"] for r in refinements)
     assert report["verify"]["engines"]["vllm"]["same_as"] == "transformers"
+
+
+def test_bias_fold_is_exact_when_the_input_has_a_constant_direction():
+    """Left-out biases are read off the input along w = E[xxᵀ]⁻¹E[x]: with a constant input coordinate (wᵀx = 1 for
+    every token) the bias-free layer's values and rope key equal the biased layer's (values + b_v, κ + its bias)."""
+    from dataclasses import replace
+
+    from mlaconv.mla.attention import (AttentionShape, LayerOptions, SourceAttention, factor_attention, full_rank,
+                                       weights_only_stats)
+
+    g = torch.Generator().manual_seed(0)
+    shape = AttentionShape(hidden=32, heads=4, kv_heads=2, head_dim=8)
+    H, N, G, d = 32, 4, 2, 8
+    src = SourceAttention(q=torch.randn(N * d, H, generator=g), k=torch.randn(G * d, H, generator=g),
+                          v=torch.randn(G * d, H, generator=g), o=torch.randn(H, N * d, generator=g),
+                          input_norm=torch.ones(H), q_bias=None, k_bias=torch.randn(G * d, generator=g),
+                          v_bias=torch.randn(G * d, generator=g))
+    x = torch.randn(500, H, generator=g, dtype=torch.float64)
+    x[:, 0] = 1.0  # a constant coordinate
+    options = LayerOptions(rank=full_rank(shape, 8), rope_dim=8, rope_theta=10000.0, rope_stride=1)
+    stats = replace(weights_only_stats(src.input_norm, shape, options), metric=x.T @ x / len(x), mean=x.mean(0))
+    kept, _ = factor_attention(src, shape, options, stats)
+    folded, report = factor_attention(src, shape, replace(options, biases=False), stats)
+    assert folded.k_rope_bias is None and folded.o_bias is None
+    assert report.dropped_bias == ["kv_a_proj_with_mqa.bias", "o_proj.bias"]
+    values = x @ (folded.up_v @ folded.down).T
+    assert torch.allclose(values, x @ src.v.double().T + src.v_bias.double(), atol=1e-8)
+    assert torch.allclose(x @ folded.k_rope.T, x @ kept.k_rope.T + kept.k_rope_bias, atol=1e-8)

@@ -8,8 +8,10 @@ compute alike. ``transformers`` keeps today's output (biases written, the source
 
 Biases: the NoPE part of a key bias only adds q·b to every score of a query, which softmax drops exactly;
 the shared rope key's bias and the value bias (W_o·b_v on the residual, a constant) are not expressible
-without bias tensors. They are dropped, and with calibration data the refinement re-fits each layer with
-them fixed at zero; without it the cost is measured by the built-in check (per engine) and stated.
+without bias tensors. With calibration data they are read off the input instead (b ≈ b·wᵀx with
+w = E[xxᵀ]⁻¹E[x] on the fit windows, exact when the input carries a constant direction: ``mla.attention``),
+and the refinement re-fits each layer with the biases fixed at zero; without it they are dropped and the
+cost is measured by the built-in check (per engine) and stated.
 
 RoPE: a llama3-scaled source becomes DeepSeek-YaRN in vLLM and SGLang. The output then carries a yarn
 ``rope_scaling`` whose correction range is chosen to follow llama3's kept frequencies as closely as
@@ -107,8 +109,9 @@ def target_report(name: str, reports: list, rope_rewrite: dict | None, calibrate
     note = None
     if dropped:
         note = (f"{' and '.join(dropped)} left out for {', '.join(chosen.engines)}: "
-                + ("the calibrated conversion re-fitted each layer without them (biases fixed at zero in the "
-                   "refinement, when it runs)" if calibrated
+                + ("the calibrated conversion folded them into the value rows and the rope key along the input's "
+                   "constant direction (w = E[xxᵀ]⁻¹E[x]) and re-fitted each layer with them at zero (refinement, when "
+                   "it runs)" if calibrated
                    else "without calibration data nothing re-fits them; the built-in check measures the cost; pass "
                         "--calib to re-fit, or --target transformers to keep them (transformers only)"))
     return {"name": chosen.name, "engines": list(chosen.engines), "biases_written": chosen.biases,

@@ -338,7 +338,8 @@ def factor_attention(src: SourceAttention, shape: AttentionShape, options: Layer
     group_of_head = torch.arange(N) // shape.group
 
     readout = constant_readout(stats) if not options.biases else None
-    if readout is not None and src.v_bias is not None:  # b_v ≈ b_v·(wᵀx): the value bias joins the value rows
+    value_bias_folded = readout is not None and src.v_bias is not None and bool(src.v_bias.abs().max() > 0)
+    if value_bias_folded:  # b_v ≈ b_v·(wᵀx): the value bias joins the value rows (W_o·b_v leaves o_proj.bias)
         src = replace(src, v=src.v + src.v_bias[:, None] * readout[None, :], v_bias=None)
     layer = analyse_layer(src, shape, options, stats)
     mix, choice, k_nope, spec = layer.mix, layer.choice, layer.k_nope, layer.spectrum
@@ -369,7 +370,7 @@ def factor_attention(src: SourceAttention, shape: AttentionShape, options: Layer
     k_rope_folded = None
     if not options.biases:
         for name, bias in (("kv_a_proj_with_mqa.bias", k_rope_bias), ("o_proj.bias", o_bias)):
-            if bias is not None and bias.abs().max() > 0:
+            if (bias is not None and bias.abs().max() > 0) or (name == "o_proj.bias" and value_bias_folded):
                 dropped.append(name)
         if readout is not None and k_rope_bias is not None:  # the rope key's bias read off the input the same way
             k_rope_folded = k_rope_bias[:, None] * readout[None, :]

@@ -140,7 +140,7 @@ def write_checkpoint(out: Path, folder: Path, spec: SourceSpec, reader: Checkpoi
         writer = ShardedWriter(tmp)
         write_outer_tensors(writer, reader, spec, alpha, dtype)
         for i, mla in enumerate(layers):
-            write_layer(writer, reader, spec, i, mla, alpha, dtype)
+            write_layer(writer, reader, spec, i, mla, alpha, dtype, attention_bias)
         writer.finish()
         theta = rope.target_rope_theta(spec.rope_theta, spec.rotary_dim, shapes.rope_dim, stride)
         config = deepseek.build_config(spec, rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=theta,

@@ -199,7 +199,7 @@ def test_default_folder_bfloat16_and_refusing_to_overwrite(tiny_model, tmp_path)
 
 def test_attention_biases_are_absorbed(tiny_model, tmp_path):
     src = tiny_model(family="qwen2", kv_heads=2, head_dim=16)
-    convert(str(src), tmp_path / "out", ConvertOptions(rank=24, rope_dim=16, verify=False))
+    convert(str(src), tmp_path / "out", ConvertOptions(rank=24, rope_dim=16, verify=False, target="transformers"))
     manifest = write_absorbed(tmp_path / "out")
     assert manifest["tensors"]["layers.0.kv_down_bias"]["shape"] == [24 + 16]
     assert manifest["tensors"]["layers.0.o_bias"]["shape"] == [64]

@@ -149,7 +149,7 @@ def test_llama_eps_rescale_is_exact(tiny_model, tmp_path):
     assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
 
 
-def test_qwen2_biases_folded_and_reported(tiny_model, tmp_path):
+def test_qwen2_biases_folded_and_reported_for_transformers(tiny_model, tmp_path):
     src = tiny_model(family="qwen2", kv_heads=1, head_dim=16)
     from safetensors.torch import load_file, save_file
 
@@ -158,15 +158,19 @@ def test_qwen2_biases_folded_and_reported(tiny_model, tmp_path):
         if name.endswith("q_proj.bias"):
             state[name] = torch.zeros_like(state[name])
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
-    report = run(src, tmp_path / "out", rank=16, rope_dim=16, verify=True)
+    report = run(src, tmp_path / "out", rank=16, rope_dim=16, verify=True, target="transformers")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["attention_bias"] is True and report["dropped_bias"] == []
     # k and v biases are folded exactly (k's NoPE part is softmax-invariant, v's goes to o_proj.bias).
     assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
     assert report["verify"]["max_rel_logit_diff"] <= 1e-4
     dropped = check_by_hand(src, tmp_path / "out", report, drop_biases=True)["kl"]
-    assert report["verify"]["biases_dropped"]["kl"] == pytest.approx(dropped, rel=1e-6)
-    assert dropped > 1e-6  # what vLLM/SGLang would lose, measured
+    engines = report["verify"]["engines"]
+    for name in ("vllm", "sglang"):  # what vLLM/SGLang compute, measured
+        assert engines[name]["kl"] == pytest.approx(dropped, rel=1e-6)
+        assert engines[name]["differences"] == ["drops kv_a_proj_with_mqa.bias", "drops o_proj.bias"]
+    assert dropped > 1e-6
+    assert "llama.cpp's deepseek2 has no attention biases" in engines["llamacpp"]["refused"]
     assert any("vLLM and SGLang drop" in w for w in report["serving"]["warnings"])
 
 
@@ -231,11 +235,11 @@ def test_tiny_latent_bound_holds_for_huge_hidden_states(tiny_model, tmp_path):
     assert rel_err(got, expected) <= 1e-4
 
 
-def test_llama3_rope_scaling_is_exact_and_reported(tiny_model, tmp_path):
+def test_llama3_rope_scaling_is_exact_for_transformers_and_reported(tiny_model, tmp_path):
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
     src = tiny_model(kv_heads=1, head_dim=16, rope_scaling=scaling, rope_theta=500000.0)
-    report = run(src, tmp_path / "out", rank=16, rope_dim=16)
+    report = run(src, tmp_path / "out", rank=16, rope_dim=16, target="transformers")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["rope_scaling"]["rope_type"] == "llama3"
     assert any("deepseek_yarn" in w for w in report["serving"]["warnings"])

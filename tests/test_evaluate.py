@@ -35,7 +35,8 @@ she found that her count and his were not the same, because she took the stairs 
 # The documented JSON of a run with a baseline: key → type.
 REPORT_KEYS = {
     "model": str, "baseline": str, "data": str, "tokenizer": (str, type(None)), "window": int, "windows": int,
-    "tokens": int, "stream_tokens": int, "dropped_tokens": int, "dtype": str, "device": str,
+    "tokens": int, "stream_tokens": int, "dropped_tokens": int, "dtype": str, "device": str, "engine": str,
+    "engine_differences": list,
     "ppl": float, "ppl_stderr": float, "nll": float, "nll_stderr": float,
     "baseline_ppl": float, "baseline_ppl_stderr": float, "baseline_nll": float, "baseline_nll_stderr": float,
     "drift": float, "drift_stderr": float, "nll_diff": float, "nll_diff_stderr": float,

@@ -102,20 +102,21 @@ def test_linear_rope_scaling_is_reproduced(tmp_path):
 
 
 def test_zero_biases_export_and_nonzero_biases_are_refused(tmp_path):
-    """Qwen2 outputs carry kv_a / o_proj biases that deepseek2 lacks: fine when zero, refused otherwise."""
+    """Qwen2 outputs for --target transformers carry kv_a / o_proj biases that deepseek2 lacks: fine when zero,
+    refused otherwise."""
     zero = make_model(tmp_path / "zero", "qwen2", kv_heads=1, head_dim=16)
     from safetensors.torch import load_file, save_file
 
     state = load_file(zero / "model.safetensors")
     save_file({n: torch.zeros_like(t) if n.endswith(".bias") else t for n, t in state.items()},
               zero / "model.safetensors", metadata={"format": "pt"})
-    out = run_convert(zero, tmp_path / "zero_out", rank=16, rope_dim=16)
+    out = run_convert(zero, tmp_path / "zero_out", rank=16, rope_dim=16, target="transformers")
     export_gguf(out, tmp_path / "zero.gguf")
     engine = llamacpp_logits(tmp_path / "zero.gguf", RANDOM_WINDOWS)
     assert abs(ppl(engine, RANDOM_WINDOWS) / ppl(transformers_logits(zero, RANDOM_WINDOWS), RANDOM_WINDOWS) - 1) < 1e-3
 
     biased = make_model(tmp_path / "biased", "qwen2", kv_heads=1, head_dim=16)
-    out = run_convert(biased, tmp_path / "biased_out", rank=16, rope_dim=16)
+    out = run_convert(biased, tmp_path / "biased_out", rank=16, rope_dim=16, target="transformers")
     with pytest.raises(MlaconvError, match=r"attention bias tensors are not zero \(.*kv_a_proj_with_mqa.bias"):
         export_gguf(out, tmp_path / "biased.gguf")
     assert not (tmp_path / "biased.gguf").exists()

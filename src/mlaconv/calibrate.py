@@ -180,6 +180,7 @@ class SourceStreamer:
         weights = self._on_device(attention)
         H, S = self.spec.hidden_size, self.options.tokens.shape[1]
         moment = torch.zeros(H, H, dtype=torch.float64, device=self.device)
+        x_sum = torch.zeros(H, dtype=torch.float64, device=self.device)
         audit_moment = torch.zeros(H, H, dtype=torch.float64, device=self.device)
         cross = [torch.zeros(w.shape[0], H, dtype=torch.float64, device=self.device)
                  for w in ((weights.q, weights.k) if attention.has_qk_norm else ())]  # E[q̃ xᵀ], E[k̃ xᵀ] sums
@@ -190,6 +191,7 @@ class SourceStreamer:
                 x = self._inputs(windows, weights)
                 flat = x.flatten(0, 1).double()
                 moment += flat.T @ flat
+                x_sum += flat.sum(0)
                 for total, y in zip(cross, query_key(x, weights, self.heads)):  # [B, heads, S, d]; none without norms
                     total += y.transpose(1, 2).flatten(2).flatten(0, 1).T.double() @ flat
                 if profiled < self.options.profile_windows:
@@ -205,7 +207,7 @@ class SourceStreamer:
         fit_tokens = len(self.split.fit) * S
         self._audit_metric = (i, (audit_moment / max(1, len(self.split.audit) * S)).cpu())
         self._norm_moments = (i, qk_norm.NormMoments(*(c.cpu() / fit_tokens for c in cross))) if cross else None
-        return LayerStats(metric=(moment / fit_tokens).cpu(), rotation_mean=rotation_mean)
+        return LayerStats(metric=(moment / fit_tokens).cpu(), rotation_mean=rotation_mean, mean=(x_sum / fit_tokens).cpu())
 
     def audit_metric(self, i: int) -> torch.Tensor:
         """E[x xᵀ] [H, H] float64 of layer i's inputs on the audit windows (after ``stats(i, …)``)."""

@@ -35,6 +35,7 @@ from mlaconv.mla.attention import (AttentionShape, LayerOptions, LayerReport, ML
                                    convert_attention, full_rank, key_energies)
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, LATENT_NORM_EPS
 from mlaconv.mla.refine import CHECK_EVERY
+from mlaconv.targets import DEFAULT_TARGET, rope_scaling_for, target, target_report
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
@@ -77,6 +78,7 @@ class ConvertOptions:
     eval_window: int | None = None
     eval_max_windows: int | None = None
     eval_batch_size: int = 1
+    target: str = DEFAULT_TARGET  # the serving engines the output is for (``mlaconv.targets``)
     extra_report: dict = field(default_factory=dict)
 
     @classmethod
@@ -213,7 +215,7 @@ def layer_options(spec: SourceSpec, shapes: Shapes, options: ConvertOptions) -> 
     return LayerOptions(
         rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling,
         rope_stride=options.rope_stride, rotary_dim=spec.rotary_dim, context=min(spec.max_position_embeddings, 4096),
-        residual_scale=residual_scale(spec), delta=options.delta,
+        residual_scale=residual_scale(spec), delta=options.delta, biases=target(options.target).biases,
     )
 
 
@@ -235,6 +237,7 @@ class Plan:
 
 def plan_conversion(source: str, options: ConvertOptions) -> Plan:
     """Open and validate the source, check the recipe, and choose (r, R); cheap (headers only)."""
+    target(options.target)  # an unknown target fails before the source is opened
     folder, spec, reader = load_source(source, options.revision, options.allow_sliding_window)
     if options.recipe:
         from mlaconv.recipes import check_recipe, load_recipe
@@ -294,7 +297,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     plan = with_rope_stride(plan, progress)
     shapes, lopts, shape, alpha = plan.shapes, plan.layer, plan.shape, plan.layer.residual_scale
     reports: list[LayerReport] = []
-    attention_bias = spec.qkv_bias or spec.o_bias
+    attention_bias = bool(spec.qkv_bias or spec.o_bias) and lopts.biases
 
     with atomic_output_dir(out, force=options.force) as tmp:
         writer = ShardedWriter(tmp, options.shard_size)  # writes each tensor as it is added
@@ -310,17 +313,17 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
                 streamer.advance(i, src, calibrated.followed_models(layer, streamer.followed), run)
                 records.append(layer.record)
                 if layer.refined is None:
-                    write_attention(writer, spec, i, layer.closed, dtype)
+                    write_attention(writer, i, layer.closed, dtype, attention_bias)
                 else:  # written once the whole-model check has chosen
-                    pending.put(i, {calibrated.CLOSED: _attention_tensors(spec, layer.closed, dtype),
-                                    calibrated.REFINED: _attention_tensors(spec, layer.refined, dtype)})
+                    pending.put(i, {calibrated.CLOSED: _attention_tensors(layer.closed, dtype, attention_bias),
+                                    calibrated.REFINED: _attention_tensors(layer.refined, dtype, attention_bias)})
                 del layer, src
                 write_mlp_and_norm(writer, reader, spec, i, alpha, dtype)
             else:
                 mla, report = convert_attention(src, shape, lopts)
                 reports.append(report)
                 del src
-                write_layer(writer, reader, spec, i, mla, alpha, dtype)
+                write_layer(writer, reader, spec, i, mla, alpha, dtype, attention_bias)
                 del mla
         if streamer:
             agreement = streamer.agreement(progress)
@@ -334,16 +337,18 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         reader.close()
 
         kept = rope.kept_frequencies(shapes.rope_dim, lopts.rope_stride)
-        config = deepseek.build_config(spec, rank=shapes.rank, rope_dim=shapes.rope_dim,
-                                       rope_theta=rope.target_rope_theta(spec.rope_theta, spec.rotary_dim,
-                                                                         shapes.rope_dim, lopts.rope_stride),
-                                       rope_scaling=rope.target_rope_scaling(spec.rope_scaling, kept),
-                                       attention_bias=attention_bias, dtype_name=str(dtype).replace("torch.", ""))
+        theta = rope.target_rope_theta(spec.rope_theta, spec.rotary_dim, shapes.rope_dim, lopts.rope_stride)
+        rope_scaling, rope_rewrite = rope_scaling_for(target(options.target), rope.target_rope_scaling(spec.rope_scaling, kept),
+                                                      theta, shapes.rope_dim, spec.rope_frequencies()[kept])
+        config = deepseek.build_config(spec, rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=theta,
+                                       rope_scaling=rope_scaling, attention_bias=attention_bias,
+                                       dtype_name=str(dtype).replace("torch.", ""))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copied = _copy_tokenizer(folder, tmp)
 
         source_id = None if Path(source).expanduser().exists() else source  # a hub id, not a local path
         report = _report(spec, shapes, config, reports, out, source_id, folder, dtype, alpha, options, copied)
+        report["target"] = target_report(options.target, reports, rope_rewrite, options.calibrated)
         if shape_search:
             report["shape_search"] = shape_search
         if streamer:
@@ -354,8 +359,8 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             from mlaconv.verify import verify
 
             report["verify"] = _after_conversion(
-                lambda: verify(folder, tmp, spec, windows=options.verify_windows, window=options.verify_window,
-                               check_bias_drop=attention_bias), "the built-in check")
+                lambda: verify(folder, tmp, spec, windows=options.verify_windows, window=options.verify_window),
+                "the built-in check")
         else:
             report["verify"] = None
         if options.evaluated:
@@ -436,28 +441,28 @@ def write_outer_tensors(writer: ShardedWriter, reader: CheckpointReader, spec: S
     writer.add(deepseek.FINAL_NORM, weights.tensor(None, deepseek.FINAL_NORM).to(dtype))
 
 
-def _attention_tensors(spec: SourceSpec, mla: MLAAttention, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _attention_tensors(mla: MLAAttention, dtype: torch.dtype, biases: bool) -> dict[str, torch.Tensor]:
     """Layer i's converted attention and its input norm as output tensors (names without the layer prefix), in
-    ``dtype``. Biases go in whenever the source has any."""
+    ``dtype``. With ``biases`` (the config's attention_bias) both bias tensors go in, zeros where the layer has none."""
     tensors = {deepseek.INPUT_NORM: mla.input_norm, deepseek.Q_PROJ: mla.q_proj, deepseek.KV_A_PROJ: mla.kv_a_proj,
                deepseek.KV_A_NORM: mla.kv_a_norm, deepseek.KV_B_PROJ: mla.kv_b_proj, deepseek.O_PROJ: mla.o_proj}
-    if spec.qkv_bias or spec.o_bias:
+    if biases:
         tensors[deepseek.KV_A_BIAS] = mla.kv_a_bias if mla.kv_a_bias is not None else torch.zeros(mla.kv_a_proj.shape[0])
-        tensors[deepseek.O_BIAS] = mla.o_bias if mla.o_bias is not None else torch.zeros(spec.hidden_size)
+        tensors[deepseek.O_BIAS] = mla.o_bias if mla.o_bias is not None else torch.zeros(mla.o_proj.shape[0])
     return {name: tensor.to(dtype) for name, tensor in tensors.items()}
 
 
-def write_attention(writer: ShardedWriter, spec: SourceSpec, i: int, mla: MLAAttention, dtype: torch.dtype) -> None:
+def write_attention(writer: ShardedWriter, i: int, mla: MLAAttention, dtype: torch.dtype, biases: bool) -> None:
     """Layer i's converted attention ``mla`` (α is already in its o_proj)."""
-    for name, tensor in _attention_tensors(spec, mla, dtype).items():
+    for name, tensor in _attention_tensors(mla, dtype, biases).items():
         writer.add(deepseek.layer_prefix(i) + name, tensor)
 
 
 def write_layer(writer: ShardedWriter, reader: CheckpointReader, spec: SourceSpec, i: int, mla: MLAAttention,
-                alpha: float, dtype: torch.dtype) -> None:
+                alpha: float, dtype: torch.dtype, biases: bool) -> None:
     """Layer i of the output: the converted attention ``mla`` with its input norm, then the source MLP and
     post-attention norm."""
-    write_attention(writer, spec, i, mla, dtype)
+    write_attention(writer, i, mla, dtype, biases)
     write_mlp_and_norm(writer, reader, spec, i, alpha, dtype)
 
 
@@ -512,7 +517,10 @@ def _report(spec: SourceSpec, shapes: Shapes, config: dict, reports: list[LayerR
     element_bytes = torch.empty((), dtype=dtype).element_size()
     energy = [r.energy_retained for r in reports]
     rope_kept = [r.rope_energy_kept for r in reports]
-    dropped = sorted({b for r in reports for b in r.dropped_bias})
+    from mlaconv.engines import BIASES
+
+    dropped = sorted({b for r in reports for b in r.dropped_bias} - set(BIASES))  # no stack holds these; the
+    # biases a target leaves out are in report["target"]
     return {
         "mlaconv_version": __version__,
         "transformers_version": transformers.__version__,

@@ -169,7 +169,7 @@ def score_windows(model, windows: Sequence[torch.Tensor], batch_size: int = 1, b
 def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *, source: TokenSource,
                         window: int | None = None, max_windows: int | None = None, batch_size: int = 1,
                         dtype: str = "float32", device: str | None = None, device_map: str | None = None,
-                        progress: Progress = no_progress) -> dict:
+                        progress: Progress = no_progress, engine: str = "transformers") -> dict:
     """WikiText-style perplexity of ``model`` (and ``baseline`` on the same windows); a JSON-able report.
 
     ``window`` defaults to 2048 or the shortest context of the models if that is less. Both models are
@@ -186,11 +186,24 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
     model − baseline), ``nll_diff_stderr`` and ``drift_stderr`` (paired, over windows), ``kl_per_token``
     (KL(baseline ‖ model), nats), ``top1_agreement``, ``kv_kept``; always ``kv_elements_per_token`` and
     ``kv_bytes_per_token`` (over all layers, at ``dtype``; ``{"model": …, "baseline": …}``), ``notes``,
-    ``seconds``.
+    ``seconds``; ``engine`` (whose computation the model's figures are: the transformers forward with that
+    engine's rewrites, ``mlaconv.engines``; the baseline always runs in transformers) and
+    ``engine_differences`` (what that engine changes; empty when it computes what transformers does).
     """
     started = time.perf_counter()
     torch_dtype = _parse_options(window, max_windows, batch_size, dtype, device, device_map)
+    from mlaconv import engines
+
+    engines.engine(engine)
     folders = _resolve_models(model, baseline)
+    differences: list[str] = []
+
+    def load_model(folder: Path):
+        loaded = load_causal_lm(folder, torch_dtype, **placement)
+        if engine != "transformers":
+            differences.extend(engines.apply(loaded, engine))
+        return loaded
+
     for role, folder in folders.folders().items():  # --dtype applies to both: float16 is out if either is MLA
         refuse_float16_mla(folder, folders.configs[role], torch_dtype)
     context = _shortest_context(folders)
@@ -212,10 +225,9 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
     notes: list[str] = []
     placement = {"device": device, "device_map": device_map}
     if folders.baseline is None:
-        scores = score_windows(load_causal_lm(folders.model, torch_dtype, **placement), windows, batch_size,
-                               progress=progress)
+        scores = score_windows(load_model(folders.model), windows, batch_size, progress=progress)
     else:
-        scores, note = _score_pair(folders, windows, batch_size, torch_dtype, placement, progress)
+        scores, note = _score_pair(folders, windows, batch_size, torch_dtype, placement, progress, load_model)
         if note:
             notes.append(note)
 
@@ -231,6 +243,8 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
         "dropped_tokens": stream_tokens - windowed_tokens,
         "dtype": dtype,
         "device": f"device_map={device_map}" if device_map else device or "cpu",
+        "engine": engine,
+        "engine_differences": differences,
         **_perplexity(scores.nll, scores.predictions, prefix=""),
     }
     if scores.baseline_nll is not None:
@@ -243,7 +257,7 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
 
 
 def _score_pair(folders: _Models, windows: list[torch.Tensor], batch_size: int, dtype: torch.dtype,
-                placement: dict, progress: Progress) -> tuple[WindowScores, str | None]:
+                placement: dict, progress: Progress, load_model) -> tuple[WindowScores, str | None]:
     """Both models on the same batches when they fit together; else one after the other, PPL only."""
     longest = max(len(ids) for ids in windows)
     vocab = max(int(config["vocab_size"]) for config in folders.configs.values())
@@ -251,14 +265,14 @@ def _score_pair(folders: _Models, windows: list[torch.Tensor], batch_size: int, 
     need = parameter_bytes(folders.model, dtype) + parameter_bytes(folders.baseline, dtype) + logits_bytes
     have = _free_memory(placement["device"], placement["device_map"])
     if need <= MEMORY_HEADROOM * have:
-        model = load_causal_lm(folders.model, dtype, **placement)
+        model = load_model(folders.model)
         baseline = load_causal_lm(folders.baseline, dtype, **placement)
         return score_windows(model, windows, batch_size, baseline=baseline, progress=progress), None
 
     baseline = load_causal_lm(folders.baseline, dtype, **placement)
     baseline_scores = score_windows(baseline, windows, batch_size, progress=progress, description="scoring baseline")
     del baseline
-    model = load_causal_lm(folders.model, dtype, **placement)
+    model = load_model(folders.model)
     scores = score_windows(model, windows, batch_size, progress=progress, description="scoring model")
     scores.baseline_nll = baseline_scores.nll
     note = (f"KL divergence and top-1 agreement need both models' logits at once: both models need "

@@ -206,13 +206,15 @@ def _verification(check: dict | None) -> str:
     if "skipped" in check:
         return f"## Verification\n\nThe built-in check was skipped: {check['skipped']}."
     where = f" on {check['windows']} window(s), {check['tokens']:,} tokens" if "tokens" in check else ""
-    dropped = check.get("biases_dropped")
-    header = ["", "converted"] + (["without attention biases (what vLLM / SGLang compute)"] if dropped else [])
+    engines = check.get("engines") or {}
+    measured = {name: figures for name, figures in engines.items() if "kl" in figures}
+    header = ["", "transformers"] + [f"as {name} computes it" for name in measured]
     lines = [
         "## Verification",
         "",
         f"The converted folder was loaded through `AutoModelForCausalLM` (as `{check.get('loader', '?')}`) "
-        f"and compared with the source{where}, in {check.get('dtype', '?')}:",
+        f"and compared with the source{where}, in {check.get('dtype', '?')}; each engine's column is that "
+        "transformers model with the engine's rewrites applied (`mlaconv.engines`):",
         "",
         "| " + " | ".join(header) + " |",
         "|---|" + "---:|" * (len(header) - 1),
@@ -221,9 +223,17 @@ def _verification(check: dict | None) -> str:
             "KL(source ‖ converted) per token": "kl", "top-1 agreement": "top1"}
     for label, key in rows.items():
         if key in check:
-            values = [check[key]] + ([dropped.get(key)] if dropped else [])
+            values = [check[key]] + [figures.get(key) for figures in measured.values()]
             lines.append(f"| {label} | " + " | ".join(_metric(key, v) for v in values) + " |")
-    return "\n".join(lines)
+    lines.append("")
+    for name, figures in engines.items():
+        if "same_as" in figures:
+            lines.append(f"- {name}: same as {figures['same_as']} ({figures['reason']}).")
+        elif "refused" in figures:
+            lines.append(f"- {name}: refuses this checkpoint: {figures['refused']}.")
+        elif "differences" in figures:
+            lines.append(f"- {name}: {'; '.join(figures['differences'])}.")
+    return "\n".join(lines).rstrip()
 
 
 def _evaluation(result) -> str:
@@ -251,7 +261,8 @@ def _perplexity_run(run: dict) -> list[str]:
         f"{run['tokens']:,} scored predictions" if "tokens" in run else None,
         run.get("dtype"),
     ) if part)
-    lines = [f"Perplexity{f' ({scope})' if scope else ''}:", ""]
+    engine = f", as {run['engine']} computes it" if run.get("engine") else ""
+    lines = [f"Perplexity{f' ({scope}{engine})' if scope else ''}:", ""]
     if run.get("baseline_ppl") is not None:
         lines += ["| | source | converted |", "|---|---:|---:|",
                   f"| perplexity | {_with_error(run['baseline_ppl'], run.get('baseline_ppl_stderr'))} | "

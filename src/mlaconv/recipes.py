@@ -43,6 +43,7 @@ OPTION_TYPES: dict[str, tuple[type, ...]] = {
     "verify_window": (int,),
     "allow_sliding_window": (bool,),
     "revision": (str,),
+    "target": (str,),
 }
 INFORMATIONAL_KEYS = ("source", "kv_cache")
 KV_CACHE_KEYS = {

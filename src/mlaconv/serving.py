@@ -46,7 +46,7 @@ def serving_notes(spec: SourceSpec, config: dict, dropped_bias: list[str]) -> di
             "every layer computes a calibration-fitted linear stand-in instead, refined against the true layer; "
             "what that costs is in attention_error (per layer) and the verify figures."
         )
-    if config.get("rope_scaling"):
+    if config.get("rope_scaling") and config["rope_scaling"].get("rope_type") != "yarn":  # yarn: targets.llama3_as_yarn
         kind = config["rope_scaling"].get("rope_type", config["rope_scaling"].get("type"))
         warnings.append(
             f"the source uses rope_scaling {kind!r}: transformers reproduces it exactly, but vLLM and SGLang "
@@ -57,6 +57,7 @@ def serving_notes(spec: SourceSpec, config: dict, dropped_bias: list[str]) -> di
             f"rms_norm_eps {spec.rms_norm_eps:g} → {config['rms_norm_eps']:g} with the residual stream rescaled "
             "exactly, so every stack agrees on the latent norm."
         )
+    rope_exact = not config.get("rope_scaling") or config["rope_scaling"].get("rope_type") == "yarn"
     fit = kernel_fit(config)
     if not fit["flashmla"]:
         warnings.append(
@@ -67,8 +68,8 @@ def serving_notes(spec: SourceSpec, config: dict, dropped_bias: list[str]) -> di
         )
     return {
         "transformers": {"biases_kept": bool(config.get("attention_bias")), "rope_scaling_exact": True},
-        "vllm": {"biases_kept": False, "rope_scaling_exact": not config.get("rope_scaling")},
-        "sglang": {"biases_kept": False, "rope_scaling_exact": not config.get("rope_scaling")},
+        "vllm": {"biases_kept": False, "rope_scaling_exact": rope_exact},
+        "sglang": {"biases_kept": False, "rope_scaling_exact": rope_exact},
         "kernels": fit,
         "warnings": warnings,
     }

@@ -50,9 +50,10 @@ def verification_tokens(source: Path, spec: SourceSpec, windows: int, window: in
     return ids
 
 
-def verify(source: Path, converted: Path, spec: SourceSpec, windows: int = 4, window: int = 128,
-           check_bias_drop: bool = False) -> dict:
-    """Compare the converted checkpoint with its source on a few windows; skip if both do not fit in RAM."""
+def verify(source: Path, converted: Path, spec: SourceSpec, windows: int = 4, window: int = 128) -> dict:
+    """Compare the converted checkpoint with its source on a few windows; skip if both do not fit in RAM.
+
+    The top-level figures are transformers'; ``engines`` gives each engine's (``engine_figures``)."""
     budget = available_memory_bytes() // 2
     for dtype in (torch.float32, torch.bfloat16):
         need = parameter_bytes(source, dtype) + parameter_bytes(converted, dtype)
@@ -71,10 +72,31 @@ def verify(source: Path, converted: Path, spec: SourceSpec, windows: int = 4, wi
         result = compare_logits(reference, model(tokens).logits)
         result.update({"dtype": str(dtype).replace("torch.", ""), "windows": tokens.shape[0],
                        "tokens": tokens.numel(), "loader": type(model).__name__})
-        if check_bias_drop:  # what vLLM and SGLang compute: the same checkpoint without its biases
-            for layer in model.model.layers:
-                for module in (layer.self_attn.kv_a_proj_with_mqa, layer.self_attn.o_proj):
-                    if module.bias is not None:
-                        module.bias.zero_()
-            result["biases_dropped"] = compare_logits(reference, model(tokens).logits)
+        result["engines"] = engine_figures(model, tokens, reference)
     return result
+
+
+def engine_figures(model, tokens: torch.Tensor, reference: torch.Tensor) -> dict:
+    """Per engine: ``refused`` (why it would not run the checkpoint as transformers does), or ``same_as``
+    transformers with the ``reason``, or its own ``compare_logits`` figures as ``mlaconv.engines`` emulates it,
+    with the ``differences`` that make them differ."""
+    from mlaconv import engines
+
+    reference_view = engines.model_view("transformers", model)
+    figures: dict[str, dict] = {"transformers": {"computes": "the figures above"}}
+    for name in engines.ENGINES:
+        if name == "transformers":
+            continue
+        engine_view = engines.model_view(name, model)
+        differences = engines.differences(engine_view, reference_view) if not engine_view.refused else []
+        if engine_view.refused:
+            figures[name] = {"refused": engine_view.refused}
+        elif not differences:
+            figures[name] = {"same_as": "transformers", "reason": (
+                "no non-zero bias tensors to drop; the same rope frequencies, cos/sin and softmax scales and "
+                "kv_a_layernorm ε")}
+        else:
+            with engines.emulate(model, engine_view):
+                figures[name] = {**compare_logits(reference, model(tokens).logits), "differences": differences}
+        figures[name]["checked"] = engines.ENGINES[name].checked  # the version whose source the record mirrors
+    return figures

@@ -39,6 +39,7 @@ def convert(
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision when SRC is a hub id."),
     absorbed: Optional[bool] = typer.Option(None, "--absorbed", help="Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to OUT/absorbed."),
     refine_steps: Optional[int] = typer.Option(None, "--refine-steps", help="With calibration: gradient steps per layer on its measured attention error, kept only if it measures better on held-out windows (default: 75 steps of 4 windows on CUDA, or on a CPU where that is estimated under 30 min; else as many steps of 1 window as fit in 30 min, at least 25; 0 = closed form only)."),
+    target: Optional[str] = typer.Option(None, "--target", help="Serving target: portable (default: the same function on transformers, vLLM, SGLang and llama.cpp: no bias tensors, a rope_scaling they all compute), transformers (biases and the source's rope_scaling kept), vllm, sglang, llamacpp."),
     eval_text: Optional[str] = typer.Option(None, "--eval-text", help="After converting, run `mlaconv eval perplexity` on this text file against the source."),
     eval_dataset: Optional[str] = typer.Option(None, "--eval-dataset", help="… or on this dataset (wikitext = WikiText-2 raw test)."),
     eval_tokens: Optional[str] = typer.Option(None, "--eval-tokens", help="… or on these token ids (JSON lines of input_ids)."),
@@ -48,7 +49,15 @@ def convert(
     quiet: bool = QUIET_OPTION,
     debug: bool = DEBUG_OPTION,
 ) -> None:
-    """Convert an MHA/GQA checkpoint into a native DeepSeek-V3 MLA checkpoint."""
+    """Convert an MHA/GQA checkpoint into a native DeepSeek-V3 MLA checkpoint.
+
+    --json prints the report (also OUT/mlaconv.json). Among its keys: target {name, engines, biases_written,
+    biases_left_out, rope_rewrite (null, or {from, to, max_relative_frequency_gap, slots_differing, slots,
+    note}), note}; verify (transformers' max_abs_logit_diff, max_rel_logit_diff, kl, top1, dtype, windows,
+    tokens, loader) with verify.engines.{transformers, vllm, sglang, llamacpp}: each {same_as, reason} or
+    {refused} or its own max_abs_logit_diff, max_rel_logit_diff, kl, top1 and differences, and checked (the
+    engine version the emulation mirrors); eval (the keys of mlaconv eval perplexity, as transformers computes it).
+    """
     with handle_errors(debug, json_out):
         from mlaconv.conversion import ConvertOptions, convert as run_convert
         from mlaconv.errors import MlaconvError
@@ -62,7 +71,7 @@ def convert(
             "verify_windows": verify_windows, "verify_window": verify_window,
             "allow_sliding_window": allow_sliding_window, "revision": revision, "eval_text": eval_text,
             "eval_dataset": eval_dataset, "eval_tokens": eval_tokens, "eval_window": eval_window,
-            "eval_max_windows": eval_max_windows, "absorbed": absorbed, "refine_steps": refine_steps,
+            "eval_max_windows": eval_max_windows, "absorbed": absorbed, "refine_steps": refine_steps, "target": target,
         }
         settings = {key: value for key, value in given.items() if value is not None}
         if recipe is not None:
@@ -133,9 +142,14 @@ def render_report(report: dict, console) -> None:
         line(console, f"check ({check['loader']}, {check['windows']}×{check['tokens'] // check['windows']} tokens, "
                       f"{check['dtype']}): max |Δlogit| {check['max_abs_logit_diff']:.3g}, KL {check['kl']:.3g}, "
                       f"top-1 {check['top1']:.2%}")
-        if "biases_dropped" in check:
-            dropped = check["biases_dropped"]
-            line(console, f"  without attention biases (vLLM/SGLang): KL {dropped['kl']:.3g}, top-1 {dropped['top1']:.2%}")
+        for name, figures in (check.get("engines") or {}).items():
+            if "kl" in figures:
+                line(console, f"  as {name} computes it: KL {figures['kl']:.3g}, top-1 {figures['top1']:.2%} "
+                              f"({escape('; '.join(figures['differences']))})")
+            elif "refused" in figures:
+                line(console, f"  {name}: refuses it ({escape(figures['refused'])})")
+            elif "same_as" in figures:
+                line(console, f"  {name}: same as {figures['same_as']}")
     elif check:
         line(console, f"check skipped: {escape(check['skipped'])}")
     result = report.get("eval")
@@ -148,5 +162,11 @@ def render_report(report: dict, console) -> None:
         line(console, f"eval ({escape(result['data'])}, {result['windows']} windows of {result['window']}): KV cache "
                       f"{report['kv_keep']:.1%} of the source's; PPL {result['ppl']:.4g} vs source "
                       f"{result['baseline_ppl']:.4g} (drift {result['drift']:+.2%}){agreement}")
+    chosen = report.get("target") or {}
+    if chosen:
+        line(console, f"target {chosen['name']}: {', '.join(chosen['engines'])}")
+        for note in (chosen.get("note"), (chosen.get("rope_rewrite") or {}).get("note")):
+            if note:
+                line(console, f"[yellow]note:[/] {escape(note)}")
     for warning in report["serving"]["warnings"]:
         line(console, f"[yellow]note:[/] {escape(warning)}")

@@ -29,11 +29,21 @@ def perplexity(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (both models; float16 is refused when either is an MLA checkpoint)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu (default), cuda, cuda:1, mps …"),
     device_map: Optional[str] = typer.Option(None, "--device-map", help="`auto` spreads each model over this machine's GPUs (accelerate)."),
+    engine: str = typer.Option("transformers", "--engine", help="Score MODEL as this engine computes it: transformers, vllm, sglang or llamacpp (its dropped tensors, rope rewrite, ε and softmax scale applied to the transformers forward; refused where the engine would not run it)."),
     json_out: bool = JSON_OPTION,
     quiet: bool = QUIET_OPTION,
     debug: bool = DEBUG_OPTION,
 ) -> None:
-    """Perplexity as the papers measure it, side by side with the source: drift, KL, top-1 agreement, KV cache."""
+    """Perplexity as the papers measure it, side by side with the source: drift, KL, top-1 agreement, KV cache.
+
+    --json keys: model, baseline (null without one), data, tokenizer, window, windows, tokens (predictions
+    scored), stream_tokens, dropped_tokens, dtype, device, engine (whose computation MODEL's figures are; the
+    baseline always runs in transformers), engine_differences (what that engine changes relative to
+    transformers; [] when it computes the same), ppl, ppl_stderr, nll, nll_stderr; with a baseline also
+    baseline_ppl, baseline_ppl_stderr, baseline_nll, baseline_nll_stderr, drift, drift_stderr, nll_diff,
+    nll_diff_stderr, kl_per_token, top1_agreement, kv_kept; always kv_elements_per_token and kv_bytes_per_token
+    ({"model", "baseline"}), notes, seconds.
+    """
     with handle_errors(debug, json_out):
         from mlaconv.evaluate import TokenSource, evaluate_perplexity
 
@@ -41,7 +51,7 @@ def perplexity(
         with progress(quiet) as track:
             report = evaluate_perplexity(model, baseline, source=source, window=window, max_windows=max_windows,
                                          batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
-                                         progress=track)
+                                         progress=track, engine=engine)
         render_report(report, report_console(json_out))
         if json_out:
             emit_json(report)
@@ -55,6 +65,10 @@ def render_report(report: dict, console) -> None:
     line(console, f"{escape(report['data'])}: {windows} windows {lengths}, {predictions} predictions scored "
                   f"({report['dropped_tokens']} tokens dropped), {report['dtype']} on {report['device']}")
     line(console, f"tokenizer: {escape(report['tokenizer'] or 'none (pre-tokenized ids)')}")
+    differences = report.get("engine_differences") or []
+    line(console, f"model as {report.get('engine', 'transformers')} computes it"
+                  + (f" ({escape('; '.join(differences))})" if differences else
+                     " (the same as transformers)" if report.get("engine", "transformers") != "transformers" else ""))
     roles = ["baseline", "model"] if report["baseline"] else ["model"]
     prefixes = {"baseline": "baseline_", "model": ""}
     table = Table(title="perplexity")

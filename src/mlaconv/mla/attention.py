@@ -87,6 +87,8 @@ class LayerOptions:
     # weighted by the queries that read them (q·k is what matters), values by W_o (W_o·v is)
     residual_scale: float = 1.0  # α: rescales what o_proj writes into the residual stream
     delta: float = DEFAULT_DELTA  # tiny-latent bound on mean(c²)/ε
+    biases: bool = True  # False: the output has no bias tensors (a serving target that ignores them); the
+    # rope key's bias and W_o·b_v are then dropped here, and a refinement re-fits the layer with them fixed at zero
 
 
 @dataclass
@@ -130,6 +132,16 @@ class LayerStats:
 
     metric: torch.Tensor  # E[x xᵀ] [H, H] float64, or its diagonal [H] (``mla.metric``)
     rotation_mean: torch.Tensor  # μ [N, F] complex128
+    mean: torch.Tensor | None = None  # E[x] [H] (calibration only)
+
+
+def constant_readout(stats: LayerStats) -> torch.Tensor | None:
+    """w [H] with wᵀx ≈ 1 in the least-squares sense over the calibration inputs (w = E[x xᵀ]⁻¹E[x]): how a
+    bias-free layer best reads a constant off its input. None without calibration data."""
+    if stats.mean is None or stats.metric.dim() != 2:
+        return None
+    metric = stats.metric + 1e-9 * stats.metric.diagonal().mean() * torch.eye(stats.metric.shape[0], dtype=stats.metric.dtype)
+    return torch.linalg.solve(metric, stats.mean.to(metric.dtype))
 
 
 def layer_frequencies(shape: AttentionShape, options: LayerOptions, rotated: bool = True) -> torch.Tensor:
@@ -334,6 +346,10 @@ def factor_attention(src: SourceAttention, shape: AttentionShape, options: Layer
     N, G, d, R, r = shape.heads, shape.kv_heads, shape.head_dim, options.rope_dim, options.rank
     group_of_head = torch.arange(N) // shape.group
 
+    readout = constant_readout(stats) if not options.biases else None
+    value_bias_folded = readout is not None and src.v_bias is not None and bool(src.v_bias.abs().max() > 0)
+    if value_bias_folded:  # b_v ≈ b_v·(wᵀx): the value bias joins the value rows (W_o·b_v leaves o_proj.bias)
+        src = replace(src, v=src.v + src.v_bias[:, None] * readout[None, :], v_bias=None)
     layer = analyse_layer(src, shape, options, stats)
     mix, choice, k_nope, spec = layer.mix, layer.choice, layer.k_nope, layer.spectrum
     kept = choice.frequencies
@@ -360,10 +376,18 @@ def factor_attention(src: SourceAttention, shape: AttentionShape, options: Layer
             o_bias += src.o @ src.v_bias.reshape(G, d)[group_of_head].reshape(N * d)
         if src.o_bias is not None:
             o_bias += src.o_bias
+    k_rope_folded = None
+    if not options.biases:
+        for name, bias in (("kv_a_proj_with_mqa.bias", k_rope_bias), ("o_proj.bias", o_bias)):
+            if (bias is not None and bias.abs().max() > 0) or (name == "o_proj.bias" and value_bias_folded):
+                dropped.append(name)
+        if readout is not None and k_rope_bias is not None:  # the rope key's bias read off the input the same way
+            k_rope_folded = k_rope_bias[:, None] * readout[None, :]
+        k_rope_bias = o_bias = None
 
     latent = LatentAttention(
         q_nope=nope_query(src.q, shape, stats) * q_scale, q_rope=q_rope * q_scale, down=lat.down,
-        k_rope=rope.interleave(layer.shared), up_k=up_k, up_v=up_v, o=src.o, k_rope_bias=k_rope_bias, o_bias=o_bias,
+        k_rope=rope.interleave(layer.shared) + (0 if k_rope_folded is None else k_rope_folded), up_k=up_k, up_v=up_v, o=src.o, k_rope_bias=k_rope_bias, o_bias=o_bias,
         k_nope_target=k_nope,
     )
     key_error, value_error, energy = latent_errors(k_nope, src.v, up_k, up_v, lat.down, stats.metric)

@@ -306,13 +306,17 @@ def test_cli_refuses_llama3_rope_scaling_in_one_line(tmp_path):
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
     src = make_model(tmp_path / "src", kv_heads=1, head_dim=16, rope_scaling=scaling, rope_theta=500000.0)
-    out = run_convert(src, tmp_path / "out", rank=16, rope_dim=16)
+    out = run_convert(src, tmp_path / "out", rank=16, rope_dim=16, target="transformers")  # llama3 kept as is
     result = cli(out, tmp_path / "m.gguf", "--json")
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: rope_scaling llama3 cannot be reproduced")
     assert json.loads(result.stdout)["error"].startswith("rope_scaling llama3")
     assert not (tmp_path / "m.gguf").exists() and not list(tmp_path.glob(".m.gguf*"))
+    portable = run_convert(src, tmp_path / "portable", rank=16, rope_dim=16)  # llama3 written as yarn
+    result = cli(portable, tmp_path / "m.gguf", "--json")
+    assert result.exit_code == 1 and json.loads(result.stdout)["error"].startswith("rope_scaling 'yarn'")
+    assert not (tmp_path / "m.gguf").exists()
 
 
 def test_cli_refuses_a_source_checkpoint(tmp_path):

@@ -34,6 +34,7 @@ MODELS = {
     "stories260K": HERE.parent / "examples" / "stories260K",
     "llama-docs": HERE / "_work" / "models" / "llama-docs",
     "qwen2-docs": HERE / "_work" / "models" / "qwen2-docs",
+    "qwen2-mha-docs": HERE / "_work" / "models" / "qwen2-mha-docs",  # MHA: 4 heads = 4 KV heads (issue 18)
 }
 METHODS = ("joint-svd", "transmla", "mlaconv-w", "mlaconv-c")
 

@@ -3,6 +3,7 @@
     python bench/train_models.py llama              # → bench/_work/models/llama-docs
     python bench/train_models.py qwen2              # → bench/_work/models/qwen2-docs
     python bench/train_models.py qwen3              # → bench/_work/models/qwen3-docs
+    python bench/train_models.py qwen2-mha          # → bench/_work/models/qwen2-mha-docs
     python bench/train_models.py stories-calib      # → bench/_work/stories260K_calib.jsonl
     python bench/train_models.py heldout --out bench/_work/models/llama-docs   # rewrite calib.txt (below)
 
@@ -244,6 +245,10 @@ RECIPES = {
     # GQA Qwen3: qwen2-docs' shape without biases, with per-head q/k RMSNorm before RoPE (QK-norm).
     "qwen3": Recipe("qwen3", hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=640,
                     rms_norm_eps=1e-6),
+    # MHA Qwen2 with q/k/v biases (n_kv = n_heads, like Llama-2, Phi-3-mini, SmolLM2-1.7B): the layout where
+    # DeepSeek-V3's one shared rotary key stands in for every head's rotary part (issue 18).
+    "qwen2-mha": Recipe("qwen2", hidden=256, layers=4, heads=4, kv_heads=4, head_dim=64, intermediate=640,
+                        rms_norm_eps=1e-6),
 }
 
 

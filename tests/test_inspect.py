@@ -17,6 +17,7 @@ from mlaconv.cli.inspect import spectra as spectra_command
 from mlaconv.calibrated import calibrated_layer_options
 from mlaconv.conversion import ConvertOptions, convert, layer_options, load_source, plan_shapes, read_attention
 from mlaconv.errors import MlaconvError
+from mlaconv.mla import rope
 from mlaconv.mla.attention import AttentionShape, LayerStats, convert_attention
 from mlaconv.plot import require_matplotlib, save_spectra_plot, spectra_figure
 from mlaconv.spectra import SpectraOptions, default_ranks, rank_for_energy, spectra, write_csv
@@ -33,11 +34,13 @@ LAYER_KEYS = {
     "layer": int, "energy_retained": "rank", "rank_for_energy": "target", "rank_fraction_for_energy": "target",
     "rope_energy_kept": float, "rope_energy_kept_per_frequency": "frequency", "rope_loss_weighted_kept": float,
     "rope_frequencies": "slot", "singular_values": "full", "normalised_spectrum": "full", "energy_curve": "full",
+    "rope_score_loss": float, "rope_score_loss_per_frequency": "frequency", "rope_score_loss_without_mean_rotation": float,
+    "rope_mean_rotation_recovers": float,
 }
 SUMMARY_KEYS = {
     "energy_retained_mean": "rank", "energy_retained_min": "rank", "rank_for_energy_mean": "target",
     "rank_for_energy_max": "target", "rank_fraction_for_energy_mean": "target", "rope_energy_kept_mean": float,
-    "rope_energy_kept_min": float,
+    "rope_energy_kept_min": float, "rope_score_loss_mean": float, "rope_score_loss_without_mean_rotation_mean": float,
 }
 RECOMMENDATION_KEYS = {
     "kv_keep": float, "kv_lora_rank": int, "qk_rope_head_dim": int, "kv_elements_per_token_per_layer": int,
@@ -233,6 +236,52 @@ def test_calibration_hook_is_applied_as_in_convert(tiny_model):
     energy = [layer["energy_retained"][0] for layer in calibrated["layers"]]
     assert energy == pytest.approx(expected, abs=1e-12, rel=0)
     assert energy != pytest.approx([layer["energy_retained"][0] for layer in plain["layers"]], abs=1e-3)
+
+
+def test_unrotation_loss_is_the_expected_score_error_over_the_attention_profile():
+    """1 − |μ|² and 2 − 2·Re μ are E|e^{-iΔω} − c|² for c = μ and c = 1: checked by summing over an explicit
+    distribution of distances Δ, with random per-pair, per-head query, key and remainder energies."""
+    gen = torch.Generator().manual_seed(3)
+    F, N, window = 6, 3, 50
+    freqs = 10000.0 ** (-torch.arange(F, dtype=torch.float64) / F)
+    profile = torch.rand(N, window, generator=gen, dtype=torch.float64)
+    profile /= profile.sum(-1, keepdim=True)  # p_h(Δ), one per query head
+    turn = torch.exp(-1j * torch.arange(window, dtype=torch.float64)[:, None] * freqs[None, :])  # [Δ, F]
+    mean = profile.to(torch.complex128) @ turn  # μ [N, F]
+    query, key = torch.rand(F, N, generator=gen, dtype=torch.float64), torch.rand(F, N, generator=gen, dtype=torch.float64)
+    remainder = key * torch.rand(F, N, generator=gen, dtype=torch.float64)
+    loss = rope.unrotation_loss(query, key, remainder, mean)
+    total = (query * key).sum()
+    for stand_in, figure in ((mean, loss.compensated), (torch.ones_like(mean), loss.uncompensated)):
+        error = ((turn.T[None] - stand_in[:, :, None]).abs() ** 2 * profile[:, None, :]).sum(-1)  # [N, F]
+        assert figure == pytest.approx(((query * remainder * error.T).sum() / total).item(), rel=1e-12)
+    assert sum(loss.compensated_per_frequency) == pytest.approx(loss.compensated, rel=1e-12)
+    assert 0 < loss.recovered < 1
+    nothing_lost = rope.unrotation_loss(query, key, torch.zeros_like(key), mean)
+    assert (nothing_lost.compensated, nothing_lost.uncompensated, nothing_lost.recovered) == (0.0, 0.0, 1.0)
+
+
+def test_spectra_show_what_the_shared_key_drops_for_mha_and_nothing_for_mqa(tiny_model):
+    """MQA with R = d keeps every rotation; MHA (n_kv = N) keeps one component of n_kv per frequency and loses
+    the rest, the more so with fewer rope dims, and the mean-rotation stand-in recovers part of it."""
+    mqa = spectra(str(tiny_model("mqa", kv_heads=1, head_dim=16, layers=2)), SpectraOptions(rope_dim=16))
+    for layer in mqa["layers"]:
+        assert layer["rope_score_loss"] == pytest.approx(0, abs=1e-12)
+        assert layer["rope_score_loss_without_mean_rotation"] == pytest.approx(0, abs=1e-12)
+    mha_src = tiny_model("mha", kv_heads=4, heads=4, head_dim=16, layers=2)
+    wide, narrow = (spectra(str(mha_src), SpectraOptions(rope_dim=R, rope_stride=1)) for R in (16, 8))
+    check_schema(wide)
+    for full, half in zip(wide["layers"], narrow["layers"]):
+        assert 0 < full["rope_score_loss"] < half["rope_score_loss"] < 1
+        for layer in (full, half):
+            assert layer["rope_score_loss"] < layer["rope_score_loss_without_mean_rotation"]
+            assert layer["rope_mean_rotation_recovers"] == pytest.approx(
+                1 - layer["rope_score_loss"] / layer["rope_score_loss_without_mean_rotation"])
+            assert sum(layer["rope_score_loss_per_frequency"]) == pytest.approx(layer["rope_score_loss"])
+        # R = 8 at stride 1 keeps pairs 0-3: the pairs it drops lose their whole key energy.
+        assert all(a < b for a, b in zip(full["rope_score_loss_per_frequency"][4:], half["rope_score_loss_per_frequency"][4:]))
+    assert wide["summary"]["rope_score_loss_mean"] == pytest.approx(
+        sum(layer["rope_score_loss"] for layer in wide["layers"]) / 2)
 
 
 @pytest.mark.parametrize("options, message", [

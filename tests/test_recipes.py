@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mlaconv.arch import SourceSpec
-from mlaconv.conversion import ConvertOptions, convert
+from mlaconv.conversion import ConvertOptions, convert, plan_shapes, shape_candidates
 from mlaconv.errors import MlaconvError
 from mlaconv.recipes import check_recipe, kv_cache_figures, load_recipe, merge_options
 from mlaconv.serving import kernel_fit
@@ -20,7 +20,7 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 CONFIGS = ROOT / "tests" / "data" / "configs"
 REQUIRED = {"llama-2-7b", "llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.3", "qwen2.5-0.5b",
             "qwen2.5-1.5b", "qwen2.5-7b", "phi-3.5-mini", "phi-4-mini", "smollm3-3b", "granite-3.3-2b", "granite-3.3-8b",
-            "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"}
+            "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "smollm2-1.7b"}
 
 
 def spec_for(name: str) -> SourceSpec:
@@ -108,6 +108,29 @@ def test_qwen3_configs_have_the_published_shapes_and_qk_norm():
                 qwen3.num_kv_heads, qwen3.head_dim, qwen3.tie_word_embeddings) == ("Qwen3", True, hidden, layers,
                                                                                     heads, 8, 128, tied)
         assert qwen3.rope_theta == 1e6 and qwen3.rope_scaling is None and not qwen3.qkv_bias
+
+
+@pytest.mark.parametrize("name, layers, hidden, heads, head_dim", [
+    ("phi-3.5-mini", 32, 3072, 32, 96),  # Phi-3-mini's attention shapes (3.5 adds LongRoPE)
+    ("smollm2-1.7b", 24, 2048, 32, 64),
+    ("llama-2-7b", 32, 4096, 32, 128),
+])
+def test_mha_configs_keep_one_shared_rope_key_for_every_head(name, layers, hidden, heads, head_dim):
+    """Full MHA sources (issue 18): n_kv = n_heads, so the source caches 2·N·d per layer and token, and the
+    converted cache holds one R-dim rotary key for all N heads, whatever the split."""
+    spec = spec_for(name)
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (
+        layers, hidden, heads, heads, head_dim)
+    assert spec.kv_elements_per_token_per_layer == 2 * heads * head_dim
+    shapes = check_recipe(load_recipe(ROOT / "recipes" / f"{name}.yaml"), spec)
+    assert (shapes.rank, shapes.rope_dim) == (512, 64)
+    assert (shapes.rank + shapes.rope_dim) / spec.kv_elements_per_token_per_layer == pytest.approx(576 / (2 * heads * head_dim))
+    half = plan_shapes(spec, None, 0.5, None)  # --kv-keep 0.5: R = 64 by default, the latent gets the rest
+    assert (half.rank, half.rope_dim) == (heads * head_dim - 64, 64)
+    candidates = shape_candidates(spec, 0.5)  # what the calibrated split search compares
+    assert [c.rope_dim for c in candidates] == [R for R in (8, 16, 32, 64, 128) if R <= head_dim]
+    for c in candidates:
+        assert c.rank + c.rope_dim <= heads * head_dim and c.rank % 16 == 0
 
 
 def test_recipe_for_another_model_is_refused():

@@ -32,7 +32,10 @@ from mlaconv.calibrated import calibrated_layer_options, calibration_streamer
 from mlaconv.conversion import ConvertOptions, Shapes, model_full_rank, plan_conversion, read_attention, with_rope_stride
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import latent as latent_math
-from mlaconv.mla.attention import LayerAnalysis, LayerStats, SourceAttention, analyse_layer, latent_errors
+from mlaconv.mla import metric as metric_math
+from mlaconv.mla import rope
+from mlaconv.mla.attention import (AttentionShape, LayerAnalysis, LayerOptions, LayerStats, SourceAttention, analyse_layer,
+                                   latent_errors, query_energy_per_head, rotating_pairs, weights_only_stats)
 from mlaconv.progress import Progress, no_progress
 
 DEFAULT_ENERGY_TARGETS = (0.9, 0.95, 0.99)
@@ -123,7 +126,8 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
             layer_options = calibrated_layer_options(plan.layer) if calibrated else plan.layer
             analysis = analyse_layer(src, plan.shape, layer_options, stats)
             energy = _audited_energy(analysis, src, stats.metric, audit, ranks) if audit is not None else None
-            layers.append(_layer_entry(i, analysis, ranks, options.energy_targets, full, energy))
+            loss = _unrotation_loss(src, plan.shape, layer_options, analysis, stats)
+            layers.append(_layer_entry(i, analysis, loss, ranks, options.energy_targets, full, energy))
             del src, stats, analysis
     finally:
         reader.close()
@@ -209,8 +213,23 @@ def _audited_energy(analysis: LayerAnalysis, src: SourceAttention, metric: torch
     return energies
 
 
-def _layer_entry(i: int, analysis: LayerAnalysis, ranks: list[int], targets: tuple[float, ...], full: int,
-                 energy: list[float] | None = None) -> dict:
+def _unrotation_loss(src: SourceAttention, shape: AttentionShape, options: LayerOptions, analysis: LayerAnalysis,
+                     stats: LayerStats | None) -> rope.UnrotationLoss:
+    """What the key remainders (the rotation the shared key does not keep) cost the scores, over the rotating
+    pairs, under the statistics the analysis used (``weights_only_stats`` when none were given)."""
+    src = src.cast(dtype=torch.float64)
+    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)
+    pairs, group_of_head = rotating_pairs(shape, options), torch.arange(shape.heads) // shape.group
+
+    def per_query_head(k: torch.Tensor) -> torch.Tensor:  # [n_kv·d, H] → E|k_g(h)^j|² [F_rot, N]
+        return metric_math.energy(rope.complex_pairs(k, shape.kv_heads), stats.metric)[:pairs, group_of_head]
+
+    return rope.unrotation_loss(query_energy_per_head(src.q, shape, stats.metric)[:pairs], per_query_head(src.k),
+                                per_query_head(analysis.k_nope), stats.rotation_mean[:, :pairs])
+
+
+def _layer_entry(i: int, analysis: LayerAnalysis, loss: rope.UnrotationLoss, ranks: list[int],
+                 targets: tuple[float, ...], full: int, energy: list[float] | None = None) -> dict:
     """One layer's row of the report; the spectrum is cut at the full rank (what lies beyond is zero).
     ``energy``: energy_retained per rank when measured apart from the spectrum (on audit windows)."""
     spectrum, choice = analysis.spectrum, analysis.choice
@@ -226,6 +245,10 @@ def _layer_entry(i: int, analysis: LayerAnalysis, ranks: list[int], targets: tup
         "rope_energy_kept": analysis.rope_energy_kept,
         "rope_energy_kept_per_frequency": choice.energy_kept_per_frequency,
         "rope_loss_weighted_kept": choice.loss_weighted_kept,
+        "rope_score_loss": loss.compensated,
+        "rope_score_loss_per_frequency": loss.compensated_per_frequency,
+        "rope_score_loss_without_mean_rotation": loss.uncompensated,
+        "rope_mean_rotation_recovers": loss.recovered,
         "rope_frequencies": choice.frequencies.tolist(),
         "singular_values": singular.tolist(),
         "normalised_spectrum": (singular / top if top > 0 else torch.zeros_like(singular)).tolist(),
@@ -246,6 +269,9 @@ def _summary(layers: list[dict]) -> dict:
         "rank_fraction_for_energy_mean": [sum(c) / len(c) for c in column("rank_fraction_for_energy")],
         "rope_energy_kept_mean": sum(rope_kept) / len(rope_kept),
         "rope_energy_kept_min": min(rope_kept),
+        "rope_score_loss_mean": sum(layer["rope_score_loss"] for layer in layers) / len(layers),
+        "rope_score_loss_without_mean_rotation_mean":
+            sum(layer["rope_score_loss_without_mean_rotation"] for layer in layers) / len(layers),
     }
 
 

@@ -61,6 +61,12 @@ def spectra(
         rope_energy_kept, rope_loss_weighted_kept;
         rope_energy_kept_per_frequency (per source frequency);
         rope_frequencies (the kept source frequencies);
+        rope_score_loss, rope_score_loss_without_mean_rotation (what the
+        rotation the shared key drops costs the scores, as a fraction of
+        the query-weighted rotary key energy: with the mean-rotation
+        stand-in convert uses, and without it), rope_mean_rotation_recovers
+        (1 − their ratio), rope_score_loss_per_frequency (per source
+        frequency, with the stand-in; sums to rope_score_loss);
         singular_values (√ of the eigenvalues, descending, full_rank of
         them), normalised_spectrum (σᵢ/σ₁), energy_curve (at ranks
         1..full_rank);
@@ -68,7 +74,8 @@ def spectra(
         energy_retained_mean, energy_retained_min (per rank);
         rank_for_energy_mean, rank_for_energy_max,
         rank_fraction_for_energy_mean (per target);
-        rope_energy_kept_mean, rope_energy_kept_min;
+        rope_energy_kept_mean, rope_energy_kept_min, rope_score_loss_mean,
+        rope_score_loss_without_mean_rotation_mean;
       recommendation (null without --kv-keep):
         kv_keep, kv_lora_rank, qk_rope_head_dim,
         kv_elements_per_token_per_layer, kv_keep_actual, reason,
@@ -140,6 +147,9 @@ def render_report(report: dict, console) -> None:
         f"{_span([layer['rank_fraction_for_energy'][j] for layer in report['layers']])} for {t * 100:g}%"
         for j, t in enumerate(report["energy_targets"])
     )
+    line(console, f"rotation the shared key drops: mean score loss {summary['rope_score_loss_mean']:.4f} of the "
+                  f"query-weighted rotary key energy ({summary['rope_score_loss_without_mean_rotation_mean']:.4f} "
+                  "without the mean-rotation stand-in)")
     line(console, f"share of the {full} singular values that carries the energy (over layers): {shares}")
     advice = report["recommendation"]
     if advice is not None:

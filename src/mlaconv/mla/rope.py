@@ -211,3 +211,37 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     """DeepSeek's RoPE on interleaved pairs (2i, 2i+1) of x [..., S, R]; cos/sin [S, R/2]."""
     a, b = x[..., 0::2], x[..., 1::2]
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+
+
+@dataclass(frozen=True)
+class UnrotationLoss:
+    """What the key remainders' lost rotation costs the scores, with and without the mean-rotation stand-in.
+
+    Cost model (the one the head mix minimises): a remainder component r at frequency j, seen by query head
+    h, moves the score by about |q_h^j|·|r^j|·|e^{-iΔω_j} − c|, where c is what the NoPE query puts in place
+    of the rotation: c = μ_h,j (what convert does, E|e − μ|² = 1 − |μ|²) or c = 1 (no stand-in, E|e − 1|² =
+    2 − 2·Re μ). Both are fractions of Σ_j,h E|q_h^j|²·E|k_g(h)^j|², the query-weighted key energy of the
+    rotating pairs, so 0 means nothing lost and the gap is what the stand-in recovers.
+    """
+
+    compensated_per_frequency: list[float]  # [F] this pair's share of the loss, with c = μ
+    compensated: float
+    uncompensated: float
+
+    @property
+    def recovered(self) -> float:
+        """Fraction of the uncompensated loss the mean rotation removes (1 when nothing is lost)."""
+        return 1 - self.compensated / self.uncompensated if self.uncompensated > 0 else 1.0
+
+
+def unrotation_loss(query_energy: torch.Tensor, key_energy: torch.Tensor, remainder_energy: torch.Tensor,
+                    mean: torch.Tensor) -> UnrotationLoss:
+    """query_energy [F, N], key_energy and remainder_energy [F, N] (each query head's KV head's, per pair),
+    mean μ [N, F] → the ``UnrotationLoss``."""
+    total = (query_energy * key_energy).sum().item()
+    mu = mean.T  # [F, N]
+    compensated = query_energy * remainder_energy * (1 - mu.abs() ** 2).clamp_min(0)
+    uncompensated = query_energy * remainder_energy * (2 - 2 * mu.real).clamp_min(0)
+    scale = 1 / total if total > 0 else 0.0
+    return UnrotationLoss(compensated_per_frequency=(compensated.sum(-1) * scale).tolist(),
+                          compensated=compensated.sum().item() * scale, uncompensated=uncompensated.sum().item() * scale)

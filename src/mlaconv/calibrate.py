@@ -256,8 +256,7 @@ class SourceStreamer:
         return mla_attention(x, mla, self.heads, run.rank, run.rope_dim, angles) / run.residual_scale
 
     def _mla_on_device(self, converted: MLAAttention) -> MLAAttention:
-        return MLAAttention(**{name: t.to(self.device, torch.float32) if t is not None else None
-                               for name, t in vars(converted).items()})
+        return converted.cast(self.device, torch.float32)
 
     def _slot_angles(self, run: MLARun) -> torch.Tensor:
         return rope_angles(run.slot_frequencies, self.options.tokens.shape[1]).to(self.device)

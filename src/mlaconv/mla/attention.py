@@ -68,9 +68,13 @@ class SourceAttention:
         return self.q_norm is not None or self.k_norm is not None
 
     def cast(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "SourceAttention":
-        """The same layer with every tensor moved to ``device`` and/or ``dtype``."""
-        return replace(self, **{name: t.to(device=device, dtype=dtype) for name, t in vars(self).items()
-                                if isinstance(t, torch.Tensor)})
+        return cast_tensors(self, device, dtype)
+
+
+def cast_tensors(layer, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    """The same layer (a dataclass of tensors) with every tensor moved to ``device`` and/or ``dtype``."""
+    return replace(layer, **{name: t.to(device=device, dtype=dtype) for name, t in vars(layer).items()
+                             if isinstance(t, torch.Tensor)})
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,9 @@ class MLAAttention:
     input_norm: torch.Tensor  # [H] the layer's input_layernorm weight s·γ (written in place of the source's γ)
     kv_a_bias: torch.Tensor | None = None  # [r+R]
     o_bias: torch.Tensor | None = None  # [H]
+
+    def cast(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "MLAAttention":
+        return cast_tensors(self, device, dtype)
 
 
 @dataclass

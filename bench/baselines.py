@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -59,16 +58,16 @@ from typing import Callable
 
 import torch
 
-from mlaconv import deepseek
 from mlaconv.arch import SourceSpec
 from mlaconv.calibrate import CalibrationOptions, SourceStreamer
-from mlaconv.conversion import (TOKENIZER_FILES, Shapes, load_source, plan_shapes, read_attention, residual_scale,
-                             write_layer, write_outer_tensors)
 from mlaconv.io import CheckpointReader, ShardedWriter, atomic_output_dir
+from mlaconv.io.layout import LayerWriter, copy_tokenizer
 from mlaconv.mla import rope
 from mlaconv.mla.attention import AttentionShape, MLAAttention, SourceAttention, scale_input
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
 from mlaconv.models import load_causal_lm
+from mlaconv.pipeline import source_layers
+from mlaconv.plan import Shapes, load_source, output_config, plan_shapes, residual_scale
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PCA_DAMPING = 0.01  # TransMLA's pca_calc: + 0.01·mean(diag) on the diagonal
@@ -133,24 +132,19 @@ def assemble(src: SourceAttention, shape: AttentionShape, f: Factorization, resi
 
 def write_checkpoint(out: Path, folder: Path, spec: SourceSpec, reader: CheckpointReader, shapes: Shapes,
                      stride: int, layers: list[MLAAttention], report: dict, dtype: torch.dtype = torch.float32) -> None:
-    """Write (or replace) the DeepSeek-V3 folder laid out as ``mlaconv.conversion`` does; ``report`` → baseline.json."""
-    alpha = residual_scale(spec)
-    attention_bias = spec.qkv_bias or spec.o_bias
+    """Write (or replace) the DeepSeek-V3 folder with mlaconv's own writer, as ``convert --target transformers``
+    lays it out (biases kept, the source's rope scaling); ``report`` → baseline.json."""
+    attention_bias = bool(spec.qkv_bias or spec.o_bias)
     with atomic_output_dir(Path(out), force=True) as tmp:
         writer = ShardedWriter(tmp)
-        write_outer_tensors(writer, reader, spec, alpha, dtype)
+        output = LayerWriter(writer, reader, spec, residual_scale(spec), dtype, attention_bias, tmp / ".pending")
+        output.outer()
         for i, mla in enumerate(layers):
-            write_layer(writer, reader, spec, i, mla, alpha, dtype, attention_bias)
+            output.layer(i, {"baseline": mla})
         writer.finish()
-        theta = rope.target_rope_theta(spec.rope_theta, spec.rotary_dim, shapes.rope_dim, stride)
-        config = deepseek.build_config(spec, rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=theta,
-                                       rope_scaling=rope.target_rope_scaling(spec.rope_scaling,
-                                                                             rope.kept_frequencies(shapes.rope_dim, stride)),
-                                       attention_bias=attention_bias, dtype_name=str(dtype).replace("torch.", ""))
+        config, _ = output_config(spec, shapes, stride, "transformers", attention_bias, dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name in TOKENIZER_FILES:
-            if (folder / name).is_file():
-                shutil.copy2(folder / name, tmp / name)
+        copy_tokenizer(folder, tmp)
         (tmp / "baseline.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
@@ -176,23 +170,21 @@ def attention_shape(spec: SourceSpec) -> AttentionShape:
     return AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
 
 
-def source_layers(source: str | Path, rank: int | None, kv_keep: float | None, rope_dim: int | None):
+def read_layers(source: str | Path, rank: int | None, kv_keep: float | None, rope_dim: int | None):
     """(spec, shapes from ``plan_shapes``, every layer's attention weights) of a source folder."""
     _, spec, reader = load_source(str(source))
     shapes = plan_shapes(spec, rank, kv_keep, rope_dim)
-    layers = [read_attention(reader, spec, i) for i in range(spec.num_layers)]
+    layers = [layer.attention for layer in source_layers(reader, spec)]
     reader.close()
     return spec, shapes, layers
 
 
-def stand_in_layers(source: str | Path, layers: list[SourceAttention], ids: torch.Tensor) -> list[SourceAttention]:
-    """Each QK-normed layer replaced by mlaconv's least-squares linear stand-in, fitted on ids [n, w]."""
+def stand_in_layers(source: str | Path, ids: torch.Tensor) -> list[SourceAttention]:
+    """Every layer's attention, each QK-normed one replaced by mlaconv's least-squares linear stand-in, fitted on
+    ids [n, w]."""
     _, spec, reader = load_source(str(source))
     streamer = SourceStreamer(reader, spec, CalibrationOptions(ids))
-    linear = []
-    for i, src in enumerate(layers):
-        linear.append(streamer.stand_in(i, src, streamer.stats(i, src)))
-        streamer.advance(i, src)
+    linear = [layer.linear for layer in source_layers(reader, spec, streamer)]
     reader.close()
     return linear
 
@@ -230,7 +222,7 @@ def convert_joint_svd(source: str | Path, out: str | Path, *, kv_keep: float | N
     pass mlaconv's chosen stride to compare at equal frequencies. QK-norm is dropped (no data to fit a stand-in).
     """
     started = time.perf_counter()
-    spec, shapes, layers = source_layers(source, rank, kv_keep, rope_dim)
+    spec, shapes, layers = read_layers(source, rank, kv_keep, rope_dim)
     shape = attention_shape(spec)
     stride = rope_stride or default_stride(spec.head_dim, shapes.rope_dim)
     factorizations = [joint_svd_layer(src, shape, shapes.rope_dim, shapes.rank, stride) for src in layers]
@@ -377,9 +369,9 @@ def convert_transmla(source: str | Path, out: str | Path, calib_ids: torch.Tenso
     "stand-in" (mlaconv's linear stand-ins, fitted on ``calib_ids``).
     """
     started = time.perf_counter()
-    spec, shapes, layers = source_layers(source, rank, kv_keep, rope_dim)
+    spec, shapes, layers = read_layers(source, rank, kv_keep, rope_dim)
     if qk_norm == "stand-in":
-        layers = stand_in_layers(source, layers, calib_ids)
+        layers = stand_in_layers(source, calib_ids)
     elif qk_norm != "dropped":
         raise ValueError(f"qk_norm must be 'dropped' or 'stand-in', got {qk_norm!r}")
     shape = attention_shape(spec)

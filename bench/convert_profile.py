@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
 from mlaconv import calibrate, calibrated, conversion as convert_module, verify as verify_module  # noqa: E402
-from mlaconv.conversion import ConvertOptions, convert  # noqa: E402
+from mlaconv.conversion import convert  # noqa: E402
+from mlaconv.options import ConvertOptions  # noqa: E402
 
 
 class Timer:

@@ -36,7 +36,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from mlaconv.conversion import ConvertOptions, convert  # noqa: E402
+from mlaconv.options import ConvertOptions
+
+from mlaconv.conversion import convert  # noqa: E402
 from mlaconv.io.gguf import export_gguf  # noqa: E402
 from mlaconv.io.source import CheckpointReader, read_config  # noqa: E402
 from mlaconv.llamacpp import nll_sum, open_engine, perplexity, quantize  # noqa: E402

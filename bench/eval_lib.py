@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from mlaconv.calibrate import load_calibration_tokens
-from mlaconv.conversion import load_source
+from mlaconv.plan import load_source
 from mlaconv.evaluate import TokenSource, evaluate_perplexity
 
 WINDOW = 256

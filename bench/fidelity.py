@@ -32,7 +32,9 @@ sys.path.insert(0, str(HERE))
 from baselines import convert_joint_svd, convert_transmla  # noqa: E402
 from eval_lib import CALIB_WINDOWS, WINDOW, calibration_file, calibration_ids, eval_source, fidelity  # noqa: E402
 
-from mlaconv.conversion import ConvertOptions, convert  # noqa: E402
+from mlaconv.options import ConvertOptions
+
+from mlaconv.conversion import convert  # noqa: E402
 from mlaconv.errors import MlaconvError  # noqa: E402
 
 MODELS = {

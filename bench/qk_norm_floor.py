@@ -22,7 +22,8 @@ sys.path.insert(0, str(HERE))
 from eval_lib import calibration_ids  # noqa: E402
 
 from mlaconv.calibrate import CalibrationOptions, SourceStreamer  # noqa: E402
-from mlaconv.conversion import load_source, read_attention  # noqa: E402
+from mlaconv.pipeline import read_attention  # noqa: E402
+from mlaconv.plan import load_source  # noqa: E402
 from mlaconv.reference import query_key, rms_norm, source_attention  # noqa: E402
 
 

@@ -69,7 +69,8 @@ def tokens_for(name: str, source: Path) -> torch.Tensor:
 
 def convert_layout(source: Path, out: Path, layout: str, **shape) -> Path:
     import mlaconv.mla.attention as attention
-    from mlaconv.conversion import ConvertOptions, convert
+    from mlaconv.options import ConvertOptions
+    from mlaconv.conversion import convert
 
     chosen = attention.input_scale
     if layout == "unscaled":

@@ -19,7 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from mlaconv import calibrated  # noqa: E402
-from mlaconv.conversion import ConvertOptions, plan_conversion, read_attention, with_rope_stride  # noqa: E402
+from mlaconv.options import ConvertOptions  # noqa: E402
+from mlaconv.pipeline import read_attention  # noqa: E402
+from mlaconv.plan import plan_conversion, with_rope_stride  # noqa: E402
 from mlaconv.mla import refine as R  # noqa: E402
 from mlaconv.mla.attention import factor_attention  # noqa: E402
 

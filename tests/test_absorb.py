@@ -13,9 +13,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import make_model
-from mlaconv.absorb import (MANIFEST, MLAShape, StandardAttention, absorb_attention, latent_norm_bound,
+from mlaconv.absorb import (MANIFEST, MLAShape, absorb_attention, latent_norm_bound,
                             norm_nonlinearity, write_absorbed)
-from mlaconv.conversion import ConvertOptions, convert
+from mlaconv.options import ConvertOptions
+from mlaconv.conversion import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 from mlaconv.runtime.attention import (absorbed_attention, expanded_attention, latent_rows, rope_cos_sin,
@@ -24,13 +25,13 @@ from mlaconv.runtime.attention import (absorbed_attention, expanded_attention, l
 F64 = torch.float64
 
 
-def random_layer(shape: MLAShape, gen: torch.Generator, bias: bool) -> StandardAttention:
+def random_layer(shape: MLAShape, gen: torch.Generator, bias: bool) -> MLAAttention:
     H, N, r, R, P, V = shape.hidden, shape.heads, shape.rank, shape.rope_dim, shape.nope_dim, shape.v_dim
 
     def randn(*size):
         return torch.randn(*size, generator=gen, dtype=F64)
 
-    return StandardAttention(
+    return MLAAttention(
         q_proj=randn(N * (P + R), H), kv_a_proj=randn(r + R, H) * 1e-3, kv_a_norm=randn(r).abs() + 0.5,
         kv_b_proj=randn(N * (P + V), r), o_proj=randn(H, N * V), input_norm=randn(H).abs() + 0.5,
         kv_a_bias=randn(r + R) * 1e-3 if bias else None, o_bias=randn(H) if bias else None,
@@ -222,7 +223,8 @@ def test_a_latent_outside_the_tiny_regime_is_refused(converted, tmp_path):
 
 
 def test_convert_absorbed_flag_writes_the_artefact(stories, tmp_path):
-    from mlaconv.conversion import ConvertOptions, convert
+    from mlaconv.options import ConvertOptions
+    from mlaconv.conversion import convert
 
     report = convert(str(stories), tmp_path / "out", ConvertOptions(rank=16, verify=False, absorbed=True))
     assert (tmp_path / "out" / "absorbed" / "absorbed.json").is_file()

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from mlaconv.conversion import load_source, plan_shapes
+from mlaconv.plan import load_source, plan_shapes
 from mlaconv.mla.attention import AttentionShape
 from mlaconv.models import load_causal_lm
 

@@ -13,7 +13,9 @@ import torch
 
 from mlaconv.arch import SourceSpec
 from mlaconv.calibrate import CalibrationOptions, SourceStreamer, load_calibration_tokens
-from mlaconv.conversion import ConvertOptions, convert, read_attention
+from mlaconv.options import ConvertOptions
+from mlaconv.conversion import convert
+from mlaconv.pipeline import read_attention
 from mlaconv.families import FINAL_NORM, LM_HEAD
 from mlaconv.io import CheckpointReader, read_config
 from mlaconv.mla import latent
@@ -256,7 +258,7 @@ def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_s
     """Full refinement where it is estimated to be affordable; on a slow CPU, steps of one window (at least 25)
     that fit the 30-minute budget; slower still, none — and the note says which."""
     import mlaconv.calibrated as conversion
-    from mlaconv.conversion import plan_conversion
+    from mlaconv.plan import plan_conversion
 
     write_tokens(tmp_path / "calib.jsonl", stories_samples[:24])
     options = ConvertOptions(rank=24, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=96, device="cpu")

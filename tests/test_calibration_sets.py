@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 
 from mlaconv.arch import SourceSpec
 from mlaconv.calibrate import CalibrationOptions, SourceStreamer, split_windows
-from mlaconv.conversion import ConvertOptions, convert, read_attention
+from mlaconv.options import ConvertOptions
+from mlaconv.conversion import convert
+from mlaconv.pipeline import read_attention
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, read_config
 from mlaconv.mla.attention import AttentionShape, LayerOptions, convert_attention

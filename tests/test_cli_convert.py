@@ -130,7 +130,7 @@ def test_calibrated_summary_shows_variants_errors_and_refinement(stories, tmp_pa
 def test_calibration_uses_the_gpu_when_torch_sees_one(monkeypatch):
     import torch
 
-    from mlaconv.conversion import ConvertOptions
+    from mlaconv.options import ConvertOptions
     from mlaconv.spectra import SpectraOptions
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -9,7 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mlaconv.conversion import ConvertOptions, convert
+from mlaconv.options import ConvertOptions
+
+from mlaconv.conversion import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.models import load_causal_lm
 
@@ -33,7 +35,7 @@ def rel_err(a, b):
 def check_by_hand(src, out, report, drop_biases: bool = False) -> dict:
     """The built-in check's KL and top-1 recomputed here: transformers' own models on the check's tokens,
     KL(source ‖ converted) and top-1 agreement in plain PyTorch (``drop_biases``: as vLLM/SGLang run it)."""
-    from mlaconv.conversion import load_source
+    from mlaconv.plan import load_source
     from mlaconv.verify import verification_tokens
 
     check = report["verify"]

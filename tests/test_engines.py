@@ -27,7 +27,8 @@ from typer.testing import CliRunner
 
 from mlaconv import engines
 from mlaconv.cli import app
-from mlaconv.conversion import ConvertOptions, convert
+from mlaconv.options import ConvertOptions
+from mlaconv.conversion import convert
 from mlaconv.errors import MlaconvError
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -312,7 +312,9 @@ def test_float16_underflows_an_exact_mla_conversion_and_is_refused(tiny_model, t
     far more than the source's do, so eval (and the loader verify and eval share) refuse float16 for MLA."""
     from transformers import AutoModelForCausalLM
 
-    from mlaconv.conversion import ConvertOptions, convert
+    from mlaconv.options import ConvertOptions
+
+    from mlaconv.conversion import convert
 
     src = tiny_model(kv_heads=1, head_dim=16)  # MQA with R = d: the conversion is exact
     out = tmp_path / "out"

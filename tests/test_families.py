@@ -15,7 +15,9 @@ import transformers as hf
 
 from mlaconv.arch import SourceSpec
 from mlaconv.calibrate import CalibrationOptions, SourceStreamer
-from mlaconv.conversion import ConvertOptions, convert, read_attention
+from mlaconv.options import ConvertOptions
+from mlaconv.conversion import convert
+from mlaconv.pipeline import read_attention
 from mlaconv.errors import MlaconvError
 from mlaconv.families import FINAL_NORM, LM_HEAD, SourceWeights
 from mlaconv.io import CheckpointReader, read_config

@@ -21,7 +21,8 @@ import torch
 from typer.testing import CliRunner
 
 from mlaconv.cli import app
-from mlaconv.conversion import ConvertOptions, convert
+from mlaconv.options import ConvertOptions
+from mlaconv.conversion import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.io.gguf import export_gguf
 from mlaconv.llamacpp import nll_sum, open_engine

@@ -15,7 +15,10 @@ from typer.testing import CliRunner
 from mlaconv.cli import app
 from mlaconv.cli.inspect import spectra as spectra_command
 from mlaconv.calibrated import calibrated_layer_options
-from mlaconv.conversion import ConvertOptions, convert, layer_options, load_source, plan_shapes, read_attention
+from mlaconv.options import ConvertOptions
+from mlaconv.conversion import convert
+from mlaconv.plan import layer_options, load_source, plan_shapes
+from mlaconv.pipeline import read_attention
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
 from mlaconv.mla.attention import AttentionShape, LayerStats, convert_attention

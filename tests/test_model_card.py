@@ -7,7 +7,9 @@ import copy
 import pytest
 import yaml
 
-from mlaconv.conversion import ConvertOptions, convert
+from mlaconv.options import ConvertOptions
+
+from mlaconv.conversion import convert
 from mlaconv.model_card import render_model_card, write_model_card
 
 

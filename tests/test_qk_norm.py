@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 from mlaconv.arch import SourceSpec
 from mlaconv.calibrate import CalibrationOptions, SourceStreamer
 from mlaconv.cli import app
-from mlaconv.conversion import ConvertOptions, convert, read_attention
+from mlaconv.options import ConvertOptions
+from mlaconv.conversion import convert
+from mlaconv.pipeline import read_attention
 from mlaconv.families import FINAL_NORM, LM_HEAD
 from mlaconv.io import CheckpointReader, read_config
 from mlaconv.models import load_causal_lm

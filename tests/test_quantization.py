@@ -19,7 +19,9 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants
 from transformers import AutoModelForCausalLM
 
-from mlaconv.conversion import ConvertOptions, convert
+from mlaconv.options import ConvertOptions
+
+from mlaconv.conversion import convert
 from mlaconv.mla import attention
 from mlaconv.mla.latent_norm import MAX_ENTRY
 from mlaconv.models import load_causal_lm

@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from mlaconv.arch import SourceSpec
-from mlaconv.conversion import ConvertOptions, convert, plan_shapes, shape_candidates
+from mlaconv.options import ConvertOptions
+from mlaconv.conversion import convert
+from mlaconv.plan import plan_shapes, shape_candidates
 from mlaconv.errors import MlaconvError
-from mlaconv.recipes import check_recipe, kv_cache_figures, load_recipe, merge_options
+from mlaconv.plan import check_recipe, kv_cache_figures
+from mlaconv.options import load_recipe, merge_options
 from mlaconv.serving import kernel_fit
 
 ROOT = Path(__file__).resolve().parents[1]

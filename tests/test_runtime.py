@@ -9,7 +9,8 @@ import torch
 
 from conftest import STORIES, make_model
 from mlaconv.absorb import write_absorbed
-from mlaconv.conversion import ConvertOptions, convert
+from mlaconv.options import ConvertOptions
+from mlaconv.conversion import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.models import load_causal_lm
 from mlaconv.runtime import LatentDecoder, generate

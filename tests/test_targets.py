@@ -18,7 +18,8 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from mlaconv.cli import app
-from mlaconv.conversion import ConvertOptions, convert
+from mlaconv.options import ConvertOptions
+from mlaconv.conversion import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
 from mlaconv.models import load_causal_lm

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 _API = {  # public name → (module, attribute)
     "convert": ("mlaconv.conversion", "convert"),
-    "ConvertOptions": ("mlaconv.conversion", "ConvertOptions"),
+    "ConvertOptions": ("mlaconv.options", "ConvertOptions"),
     "inspect_spectra": ("mlaconv.spectra", "spectra"),
     "SpectraOptions": ("mlaconv.spectra", "SpectraOptions"),
     "evaluate_perplexity": ("mlaconv.evaluate", "evaluate_perplexity"),

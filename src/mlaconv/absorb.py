@@ -41,6 +41,7 @@ from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, ShardedWriter, atomic_output_dir, read_config
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
 from mlaconv.mla import rope
+from mlaconv.mla.attention import MLAAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 
 ABSORBED_DIR = "absorbed"
@@ -91,20 +92,6 @@ class MLAShape:
 
 
 @dataclass
-class StandardAttention:
-    """One layer's attention as stored in a DeepSeek-V3 checkpoint (plus the input norm that precedes it)."""
-
-    q_proj: torch.Tensor  # [N·(P+R), H]
-    kv_a_proj: torch.Tensor  # [r+R, H]
-    kv_a_norm: torch.Tensor  # w [r]
-    kv_b_proj: torch.Tensor  # [N·(P+V), r]
-    o_proj: torch.Tensor  # [H, N·V]
-    input_norm: torch.Tensor  # γ [H]
-    kv_a_bias: torch.Tensor | None = None  # [r+R]
-    o_bias: torch.Tensor | None = None  # [H]
-
-
-@dataclass
 class AbsorbedAttention:
     """One layer's absorbed inference weights (see the module docstring)."""
 
@@ -123,7 +110,7 @@ class AbsorbedAttention:
                                     for name, t in vars(self).items()})
 
 
-def absorb_attention(std: StandardAttention, shape: MLAShape, eps: float = LATENT_NORM_EPS) -> AbsorbedAttention:
+def absorb_attention(std: MLAAttention, shape: MLAShape, eps: float = LATENT_NORM_EPS) -> AbsorbedAttention:
     """Fold W^UK into the query, W^UV into the output and the linearised latent norm into kv_a (float64)."""
     H, N, r, R, P, V = shape.hidden, shape.heads, shape.rank, shape.rope_dim, shape.nope_dim, shape.v_dim
     q_proj = std.q_proj.to(torch.float64).reshape(N, P + R, H)
@@ -145,7 +132,7 @@ def absorb_attention(std: StandardAttention, shape: MLAShape, eps: float = LATEN
     )
 
 
-def latent_norm_bound(std: StandardAttention, shape: MLAShape, eps: float = LATENT_NORM_EPS) -> float:
+def latent_norm_bound(std: MLAAttention, shape: MLAShape, eps: float = LATENT_NORM_EPS) -> float:
     """max over every possible token of mean(c²)/ε, where c is the latent before kv_a_layernorm.
 
     The attention input is x = γ ⊙ ĥ with ‖ĥ‖² < H (ĥ is RMS-normalised), so
@@ -198,22 +185,7 @@ def check_config(config: dict) -> None:
         raise MlaconvError(f"num_key_value_heads {kv_heads} != num_attention_heads {heads}")
 
 
-def read_standard_attention(reader: CheckpointReader, i: int) -> StandardAttention:
-    """Layer ``i``'s attention tensors (as stored) from a DeepSeek-V3 checkpoint."""
-    p = deepseek.layer_prefix(i)
-
-    def optional(name: str) -> torch.Tensor | None:
-        return reader.get(p + name) if p + name in reader else None
-
-    return StandardAttention(
-        q_proj=reader.get(p + deepseek.Q_PROJ), kv_a_proj=reader.get(p + deepseek.KV_A_PROJ),
-        kv_a_norm=reader.get(p + deepseek.KV_A_NORM), kv_b_proj=reader.get(p + deepseek.KV_B_PROJ),
-        o_proj=reader.get(p + deepseek.O_PROJ), input_norm=reader.get(p + "input_layernorm.weight"),
-        kv_a_bias=optional(deepseek.KV_A_BIAS), o_bias=optional(deepseek.O_BIAS),
-    )
-
-
-def checked_absorb(std: StandardAttention, shape: MLAShape, layer: int,
+def checked_absorb(std: MLAAttention, shape: MLAShape, layer: int,
                    max_norm_nonlinearity: float = DEFAULT_MAX_NORM_NONLINEARITY) -> tuple[AbsorbedAttention, float]:
     """Absorb one layer after proving its kv_a_layernorm is linear; return the weights and the latent bound."""
     bound = latent_norm_bound(std, shape)
@@ -251,7 +223,7 @@ def write_absorbed(checkpoint_folder: Path, out_subfolder: Path | None = None, *
         writer = ShardedWriter(tmp, shard_size)
         writer.add(ROPE_INV_FREQ, rope_spec.inv_freq.to(torch.float32))
         for i in range(layers):
-            absorbed, bound = checked_absorb(read_standard_attention(reader, i), shape, i, max_norm_nonlinearity)
+            absorbed, bound = checked_absorb(deepseek.read_attention(reader, i), shape, i, max_norm_nonlinearity)
             bounds.append(bound)
             for tensor, value in absorbed.tensors().items():
                 writer.add(layer_name(i, tensor), value.to(out_dtype))

@@ -15,10 +15,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from mlaconv.calibrate import CalibrationOptions, MLARun, SourceStreamer, WindowSplit, load_calibration_tokens, split_windows
-from mlaconv.conversion import ConvertOptions, Plan, Shapes, read_attention, rope_strides, shape_candidates
+from mlaconv.options import ConvertOptions
+from mlaconv.pipeline import SourceLayer, source_layers
+from mlaconv.plan import Plan, Shapes, rope_strides, shape_candidates
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
-from mlaconv.mla.attention import (LayerOptions, LayerReport, MLAAttention, SourceAttention, assemble, convert_attention,
+from mlaconv.mla.attention import (LayerOptions, LayerReport, MLAAttention, assemble, convert_attention,
                                    factor_attention, latent_errors)
 from mlaconv.mla.refine import CHECK_EVERY, REFINE_LR, refine, refinement_flops
 from mlaconv.progress import Progress, no_progress
@@ -100,7 +102,7 @@ def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
         return plan, {"candidates": [], "chosen": None}
     spec = plan.spec
     strides = ({c.rope_dim: plan.layer.rope_stride for c in candidates} if plan.layer.rope_stride is not None else
-               rope_strides(plan.reader, spec, plan.shape, plan.layer, [c.rope_dim for c in candidates], progress))
+               rope_strides(plan, [c.rope_dim for c in candidates], progress))
     layers = {c: replace(plan.layer, rank=c.rank, rope_dim=c.rope_dim, rope_stride=strides[c.rope_dim])
               for c in candidates}
     split = split_windows(tokens.shape[0])
@@ -108,16 +110,12 @@ def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
     streamer = calibration_streamer(plan, options, tokens[fit + select], WindowSplit(
         fit=tuple(range(len(fit))), select=tuple(range(len(fit), len(fit) + len(select))), audit=()))
     errors = {c: 0.0 for c in candidates}
-    for i in progress(range(spec.num_layers), "choosing r and R", spec.num_layers):
-        src = read_attention(plan.reader, spec, i)
-        stats = streamer.stats(i, src)
-        linear = streamer.stand_in(i, src, stats)  # src itself, unless it has QK-norm
+    for source in source_layers(plan.reader, spec, streamer, progress, "choosing r and R"):
         for c, layer in layers.items():
-            mla, _ = convert_attention(linear, plan.shape, calibrated_layer_options(layer), stats)
+            mla, _ = convert_attention(source.linear, plan.shape, calibrated_layer_options(layer), source.stats)
             run = layer_run(spec, layer, tokens.shape[1])
-            errors[c] += streamer.attention_error(i, src, mla, run.rank, run.rope_dim, run.slot_frequencies,
-                                                  run.residual_scale, windows="select")
-        streamer.advance(i, src)
+            errors[c] += streamer.attention_error(source.index, source.attention, mla, run.rank, run.rope_dim,
+                                                  run.slot_frequencies, run.residual_scale, windows="select")
     best = min(candidates, key=lambda c: errors[c])
     table = [{"kv_lora_rank": c.rank, "qk_rope_head_dim": c.rope_dim, "mean_attention_error": errors[c] / spec.num_layers}
              for c in candidates]
@@ -202,14 +200,14 @@ class CalibratedLayer:
     record: LayerRecord
 
 
-def calibrate_layer(i: int, src: SourceAttention, plan: Plan, streamer: SourceStreamer, search: bool = True,
-                    refinement: RefinementPlan | None = None, refine_windows: int = 16) -> CalibratedLayer:
+def calibrate_layer(source: SourceLayer, plan: Plan, search: bool = True, refinement: RefinementPlan | None = None,
+                    refine_windows: int = 16) -> CalibratedLayer:
     """Convert layer i each way ``calibrated_candidates`` lists and keep the one with the least attention-output
     error on the select windows; with ``refinement`` steps, refine it on fit windows (best step chosen on the
     select windows) and keep that too if it beats the closed form there. Every reported figure is then
     re-measured on the audit windows, for the closed form and the refined layer alike."""
-    stats = streamer.stats(i, src)
-    audit_metric, linear = streamer.audit_metric(i), streamer.stand_in(i, src, stats)  # linear: src unless QK-norm
+    i, src, streamer, stats = source.index, source.attention, source.streamer, source.stats
+    audit_metric, linear = source.audit_metric(), source.linear  # linear: src unless QK-norm
     layer, run = plan.layer, layer_run(plan.spec, plan.layer, streamer.options.tokens.shape[1])
 
     def error(mla: MLAAttention, windows: str) -> float:
@@ -254,6 +252,38 @@ def followed_models(layer: CalibratedLayer, followed: dict) -> dict[str, MLAAtte
     if layer.refined is not None or REFINED in followed:
         models[REFINED] = layer.refined if layer.refined is not None else layer.closed
     return models
+
+
+class CalibratedSteps:
+    """The calibrated conversion as a layer step: ``calibrate_layer`` on each layer, both whole models followed on the
+    audit windows, and at the end the one with the lower KL written (``written_model``)."""
+
+    def __init__(self, plan: Plan, options: ConvertOptions, streamer: SourceStreamer, refinement: RefinementPlan):
+        self.plan, self.options, self.streamer, self.refinement = plan, options, streamer, refinement
+        self.run = layer_run(plan.spec, plan.layer, streamer.options.tokens.shape[1])
+        self.records: list[LayerRecord] = []
+        self.agreement: dict = {}
+        self.written, self.reason = CLOSED, ""
+
+    def __call__(self, source: SourceLayer) -> dict[str, MLAAttention]:
+        layer = calibrate_layer(source, self.plan, self.options.layer_search, self.refinement,
+                                self.options.refine_windows)
+        source.follow, source.run = followed_models(layer, self.streamer.followed), self.run
+        self.records.append(layer.record)
+        return {CLOSED: layer.closed} if layer.refined is None else {CLOSED: layer.closed, REFINED: layer.refined}
+
+    def finish(self, progress: Progress) -> str | None:
+        self.agreement = self.streamer.agreement(progress)
+        self.written, self.reason = written_model(self.agreement)
+        return self.written
+
+    @property
+    def reports(self) -> list[LayerReport]:
+        return [r.refined if self.written == REFINED and r.refined is not None else r.closed for r in self.records]
+
+    def report(self) -> dict:
+        return calibration_report(self.streamer, self.refinement, self.records, self.agreement, self.written,
+                                  self.reason)
 
 
 def written_model(agreement: dict[str, dict[str, float]]) -> tuple[str, str]:

@@ -1,13 +1,18 @@
 """The target format: a dense DeepSeek-V3 checkpoint that stock transformers, vLLM and SGLang load.
 
-Only names and the config live here; the numbers come from ``mlaconv.mla``. The config is written
+Names, the config and one layer's attention tensor set (``attention_tensors``, ``read_attention``) live here;
+the numbers come from ``mlaconv.mla``. The config is written
 with the transformers 4.x rope keys (``rope_theta``/``rope_scaling``), which 5.x also reads, so one
 file loads in every version from 4.53 on.
 """
 
 from __future__ import annotations
 
+import torch
+
 from mlaconv.arch import SourceSpec
+from mlaconv.io import CheckpointReader
+from mlaconv.mla.attention import MLAAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 
 ATTENTION = "self_attn."
@@ -83,3 +88,27 @@ def build_config(spec: SourceSpec, *, rank: int, rope_dim: int, rope_theta: floa
     }
     return config
 
+
+
+def attention_tensors(mla: MLAAttention, biases: bool) -> dict[str, torch.Tensor]:
+    """One layer's attention and its input norm as checkpoint tensors (names without the layer prefix). With
+    ``biases`` (the config's attention_bias) both bias tensors go in, zeros where the layer has none."""
+    tensors = {INPUT_NORM: mla.input_norm, Q_PROJ: mla.q_proj, KV_A_PROJ: mla.kv_a_proj, KV_A_NORM: mla.kv_a_norm,
+               KV_B_PROJ: mla.kv_b_proj, O_PROJ: mla.o_proj}
+    if biases:
+        tensors[KV_A_BIAS] = mla.kv_a_bias if mla.kv_a_bias is not None else torch.zeros(mla.kv_a_proj.shape[0])
+        tensors[O_BIAS] = mla.o_bias if mla.o_bias is not None else torch.zeros(mla.o_proj.shape[0])
+    return tensors
+
+
+def read_attention(reader: CheckpointReader, i: int) -> MLAAttention:
+    """Layer ``i``'s attention tensors and input norm, as stored in a DeepSeek-V3 checkpoint."""
+    p = layer_prefix(i)
+
+    def optional(name: str) -> torch.Tensor | None:
+        return reader.get(p + name) if p + name in reader else None
+
+    return MLAAttention(q_proj=reader.get(p + Q_PROJ), kv_a_proj=reader.get(p + KV_A_PROJ),
+                        kv_a_norm=reader.get(p + KV_A_NORM), kv_b_proj=reader.get(p + KV_B_PROJ),
+                        o_proj=reader.get(p + O_PROJ), input_norm=reader.get(p + INPUT_NORM),
+                        kv_a_bias=optional(KV_A_BIAS), o_bias=optional(O_BIAS))

@@ -29,7 +29,9 @@ import torch
 
 from mlaconv import __version__
 from mlaconv.calibrated import calibrated_layer_options, calibration_streamer
-from mlaconv.conversion import ConvertOptions, Shapes, model_full_rank, plan_conversion, read_attention, with_rope_stride
+from mlaconv.options import ConvertOptions, flags, shared
+from mlaconv.pipeline import source_layers
+from mlaconv.plan import Shapes, model_full_rank, plan_conversion, with_rope_stride
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import latent as latent_math
 from mlaconv.mla import metric as metric_math
@@ -49,24 +51,23 @@ class SpectraOptions:
 
     ranks: list[int] | None = None  # None: ``default_ranks``
     energy_targets: tuple[float, ...] = DEFAULT_ENERGY_TARGETS
-    kv_keep: float | None = None  # recommend (R, r) for this budget, as ``convert --kv-keep`` would choose them
-    rope_dim: int | None = None
-    rope_stride: int | None = None
-    revision: str | None = None
-    allow_sliding_window: bool = False
-    calib: list[str] = field(default_factory=list)
-    calib_dataset: str | None = None
-    calib_tokens: int = 65536
-    calib_window: int = 2048
-    device: str | None = None  # None: cuda when torch sees one
+    # The conversion settings, as ``ConvertOptions`` declares them (kv_keep: recommend (R, r) for this budget,
+    # as ``convert --kv-keep`` would choose them).
+    kv_keep: float | None = shared("kv_keep")
+    rope_dim: int | None = shared("rope_dim")
+    rope_stride: int | None = shared("rope_stride")
+    revision: str | None = shared("revision")
+    allow_sliding_window: bool = shared("allow_sliding_window")
+    calib: list[str] = shared("calib")
+    calib_dataset: str | None = shared("calib_dataset")
+    calib_tokens: int = shared("calib_tokens")
+    calib_window: int = shared("calib_window")
+    device: str | None = shared("device")
 
     def convert_options(self) -> ConvertOptions:
         """The ``convert`` settings these spectra preview (any rank: it does not enter the analysis)."""
-        return ConvertOptions(rank=None if self.kv_keep is not None else 1, kv_keep=self.kv_keep,
-                              rope_dim=self.rope_dim, rope_stride=self.rope_stride,
-                              revision=self.revision, allow_sliding_window=self.allow_sliding_window,
-                              calib=self.calib, calib_dataset=self.calib_dataset, calib_tokens=self.calib_tokens,
-                              calib_window=self.calib_window, device=self.device)
+        return ConvertOptions(rank=None if self.kv_keep is not None else 1,
+                              **{name: getattr(self, name) for name in flags(SpectraOptions)})
 
 
 def default_ranks(full: int) -> list[int]:
@@ -113,22 +114,19 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
         plan = with_rope_stride(plan, progress)
         calibrated = streamer is not None or stats_for_layer is not None
         layers = []
-        for i in progress(range(spec.num_layers), "analysing layers", spec.num_layers):
-            src = read_attention(reader, spec, i)
-            audit = None
+        for source in source_layers(reader, spec, streamer, progress, "analysing layers"):
+            i, audit = source.index, None
             if streamer:
-                stats, audit = streamer.stats(i, src), streamer.audit_metric(i)
-                linear = streamer.stand_in(i, src, stats)
-                streamer.advance(i, src)
-                src = linear
+                src, stats, audit = source.linear, source.stats, source.audit_metric()
             else:
+                src = source.attention
                 stats = stats_for_layer(i, src) if stats_for_layer else None
             layer_options = calibrated_layer_options(plan.layer) if calibrated else plan.layer
             analysis = analyse_layer(src, plan.shape, layer_options, stats)
             energy = _audited_energy(analysis, src, stats.metric, audit, ranks) if audit is not None else None
             loss = _unrotation_loss(src, plan.shape, layer_options, analysis, stats)
             layers.append(_layer_entry(i, analysis, loss, ranks, options.energy_targets, full, energy))
-            del src, stats, analysis
+            del src, stats, analysis, source
     finally:
         reader.close()
     lopts = plan.layer

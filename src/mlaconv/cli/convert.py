@@ -12,42 +12,20 @@ from rich.table import Table
 from mlaconv.cli import app
 from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
                                  report_console)
+from mlaconv.options import cli_parameters, with_options
 
 
 @app.command()
+@with_options(cli_parameters())
 def convert(
     src: Optional[str] = typer.Argument(None, help="Source model: a local folder or a Hugging Face hub id (from the local cache). With --recipe and one argument, the recipe's source is used and the argument is OUT."),
     out: Optional[Path] = typer.Argument(None, help="Output folder (written atomically)."),
     recipe: Optional[Path] = typer.Option(None, "--recipe", help="A recipes/*.yaml file of settings; explicit flags override it."),
-    rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Latent rank r (kv_lora_rank)."),
-    kv_keep: Optional[float] = typer.Option(None, "--kv-keep", help="Fraction of the source KV cache to keep, in (0, 1]; picks r and R."),
-    rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="Shared RoPE key dims R (qk_rope_head_dim); default min(64, head_dim)."),
-    rope_stride: Optional[int] = typer.Option(None, "--rope-stride", help="Keep source frequencies 0, s, 2s, … (default: chosen from the weights)."),
-    calib: Optional[list[str]] = typer.Option(None, "--calib", help="Calibration text file (or .jsonl of token ids); repeatable."),
-    calib_dataset: Optional[str] = typer.Option(None, "--calib-dataset", help="Calibration from a Hugging Face dataset NAME[:CONFIG[:SPLIT]] (local cache when offline)."),
-    calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="Calibration tokens (default 65536)."),
-    calib_window: Optional[int] = typer.Option(None, "--calib-window", help="Calibration window length (default 2048, capped at the context)."),
     weights_only: bool = typer.Option(False, "--weights-only", help="Ignore a recipe's calibration settings."),
-    device: Optional[str] = typer.Option(None, "--device", help="Where calibration and refinement run (default: cuda when torch sees a GPU, else cpu), and, when given, the --eval-* evaluation too: cpu, cuda, cuda:1 …"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Output dtype: float32 or bfloat16 (default: the source's)."),
-    shard_size: Optional[str] = typer.Option(None, "--shard-size", help="Largest output shard, e.g. 5GB (default) or 500MB."),
-    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
-    verify: Optional[bool] = typer.Option(None, "--verify/--no-verify", help="Compare OUT with the source through AutoModelForCausalLM (default on)."),
-    verify_windows: Optional[int] = typer.Option(None, "--verify-windows", help="Windows the built-in check runs (default 4)."),
-    verify_window: Optional[int] = typer.Option(None, "--verify-window", help="Tokens per check window (default 128)."),
-    allow_sliding_window: Optional[bool] = typer.Option(None, "--allow-sliding-window", help="Convert a sliding-window model with full attention."),
-    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision when SRC is a hub id."),
-    absorbed: Optional[bool] = typer.Option(None, "--absorbed", help="Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to OUT/absorbed."),
-    refine_steps: Optional[int] = typer.Option(None, "--refine-steps", help="With calibration: gradient steps per layer on its measured attention error, kept only if it measures better on held-out windows (default: 75 steps of 4 windows on CUDA, or on a CPU where that is estimated under 30 min; else as many steps of 1 window as fit in 30 min, at least 25; 0 = closed form only)."),
-    target: Optional[str] = typer.Option(None, "--target", help="Serving target: portable (default: the same function on transformers, vLLM, SGLang and llama.cpp: no bias tensors, a rope_scaling they all compute), transformers (biases and the source's rope_scaling kept), vllm, sglang, llamacpp."),
-    eval_text: Optional[str] = typer.Option(None, "--eval-text", help="After converting, run `mlaconv eval perplexity` on this text file against the source."),
-    eval_dataset: Optional[str] = typer.Option(None, "--eval-dataset", help="… or on this dataset (wikitext = WikiText-2 raw test)."),
-    eval_tokens: Optional[str] = typer.Option(None, "--eval-tokens", help="… or on these token ids (JSON lines of input_ids)."),
-    eval_window: Optional[int] = typer.Option(None, "--eval-window", help="Evaluation window (default 2048 or the context)."),
-    eval_max_windows: Optional[int] = typer.Option(None, "--eval-max-windows", help="Evaluate at most this many windows."),
     json_out: bool = JSON_OPTION,
     quiet: bool = QUIET_OPTION,
     debug: bool = DEBUG_OPTION,
+    **flags,
 ) -> None:
     """Convert an MHA/GQA checkpoint into a native DeepSeek-V3 MLA checkpoint.
 
@@ -59,26 +37,14 @@ def convert(
     engine version the emulation mirrors); eval (the keys of mlaconv eval perplexity, as transformers computes it).
     """
     with handle_errors(debug, json_out):
-        from mlaconv.conversion import ConvertOptions, convert as run_convert
+        from mlaconv.conversion import convert as run_convert
         from mlaconv.errors import MlaconvError
-        from mlaconv.io import parse_size
+        from mlaconv.options import ConvertOptions, given_options, load_recipe, merge_options
 
-        given = {
-            "rank": rank, "kv_keep": kv_keep, "rope_dim": rope_dim, "rope_stride": rope_stride,
-            "calib": calib or None, "calib_dataset": calib_dataset, "calib_tokens": calib_tokens,
-            "calib_window": calib_window, "device": device, "dtype": dtype,
-            "shard_size": parse_size(shard_size) if shard_size else None, "verify": verify,
-            "verify_windows": verify_windows, "verify_window": verify_window,
-            "allow_sliding_window": allow_sliding_window, "revision": revision, "eval_text": eval_text,
-            "eval_dataset": eval_dataset, "eval_tokens": eval_tokens, "eval_window": eval_window,
-            "eval_max_windows": eval_max_windows, "absorbed": absorbed, "refine_steps": refine_steps, "target": target,
-        }
-        settings = {key: value for key, value in given.items() if value is not None}
+        settings = given_options(flags)
         if recipe is not None:
-            from mlaconv.recipes import load_recipe, merge_options
-
             loaded = load_recipe(recipe)
-            settings = merge_options(loaded.options, given)
+            settings = merge_options(loaded.options, settings)
             if out is None and src is not None:  # one positional argument with a recipe: it is OUT
                 src, out = None, Path(src)
             src = src or loaded.source
@@ -89,7 +55,7 @@ def convert(
         if src is None or out is None:
             raise MlaconvError("give SRC and OUT (SRC may come from --recipe)")
         with progress(quiet) as track:
-            report = run_convert(src, out, ConvertOptions(force=force, **settings), progress=track)
+            report = run_convert(src, out, ConvertOptions(**settings), progress=track)
         render_report(report, report_console(json_out))
         if json_out:
             emit_json(report)

@@ -14,28 +14,21 @@ from mlaconv.cli import inspect_app
 from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
                                  report_console)
 from mlaconv.errors import MlaconvError
+from mlaconv.options import cli_parameters, given_options, with_options
 
 
 @inspect_app.command("spectra")
+@with_options(cli_parameters(only_spectra=True))
 def spectra(
     src: str = typer.Argument(..., help="Source model: a local folder or a Hugging Face hub id (from the local cache)."),
-    rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="Shared RoPE key dims R, as in convert; default min(64, head_dim)."),
-    rope_stride: Optional[int] = typer.Option(None, "--rope-stride", help="Keep source frequencies 0, s, 2s, … (default: chosen from the weights, as in convert)."),
     ranks: Optional[str] = typer.Option(None, "--ranks", help="Comma-separated latent ranks to report, e.g. 64,128,512 (default: powers of two and the full rank)."),
     energy: str = typer.Option("0.9,0.95,0.99", "--energy", help="Comma-separated energy targets in (0, 1]: the rank each one needs is reported."),
-    kv_keep: Optional[float] = typer.Option(None, "--kv-keep", help="Recommend (R, r) for this fraction of the source KV cache, as convert --kv-keep picks them without calibration (with --calib, convert also measures other splits)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the spectra and energy curves (needs the 'plot' extra)."),
     csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write one CSV row per layer."),
-    allow_sliding_window: bool = typer.Option(False, "--allow-sliding-window", help="Inspect a sliding-window model as convert would treat it."),
-    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision when SRC is a hub id."),
-    calib: Optional[list[str]] = typer.Option(None, "--calib", help="Calibration text file (or .jsonl of token ids), as in convert; repeatable."),
-    calib_dataset: Optional[str] = typer.Option(None, "--calib-dataset", help="Calibration from a dataset NAME[:CONFIG[:SPLIT]], as in convert."),
-    calib_tokens: int = typer.Option(65536, "--calib-tokens", help="Calibration tokens."),
-    calib_window: int = typer.Option(2048, "--calib-window", help="Calibration window length (capped at the context)."),
-    device: Optional[str] = typer.Option(None, "--device", help="Where calibration runs (default: cuda when torch sees a GPU, else cpu)."),
     json_out: bool = JSON_OPTION,
     quiet: bool = QUIET_OPTION,
     debug: bool = DEBUG_OPTION,
+    **settings,
 ) -> None:
     """Per layer: how much of K/V the latent keeps at each rank, and how much RoPE energy the shared key keeps.
 
@@ -93,11 +86,7 @@ def spectra(
             check_output_file(csv_out, ".csv", "--csv")
         options = SpectraOptions(
             ranks=_parse_list(ranks, int, "--ranks") if ranks is not None else None,
-            energy_targets=tuple(_parse_list(energy, float, "--energy")), kv_keep=kv_keep, rope_dim=rope_dim,
-            rope_stride=rope_stride, revision=revision, allow_sliding_window=allow_sliding_window,
-            calib=calib or [], calib_dataset=calib_dataset, calib_tokens=calib_tokens, calib_window=calib_window,
-            device=device,
-        )
+            energy_targets=tuple(_parse_list(energy, float, "--energy")), **given_options(settings))
         with progress(quiet) as track:
             report = run_spectra(src, options, progress=track)
         console = report_console(json_out)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mlaconv.absorb import AbsorbedAttention, MLAShape, StandardAttention
+from mlaconv.absorb import AbsorbedAttention, MLAShape
+from mlaconv.mla.attention import MLAAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 from mlaconv.mla.rope import rotate_interleaved
 
@@ -72,7 +73,7 @@ def absorbed_attention(layer: AbsorbedAttention, x: torch.Tensor, cache: torch.T
     return F.linear(o_latent.transpose(1, 2).reshape(B, S, N * r), layer.o_latent, layer.o_bias)
 
 
-def standard_latent_rows(std: StandardAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def standard_latent_rows(std: MLAAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          shape: MLAShape, linear_norm: bool) -> torch.Tensor:
     """Cache rows [B, S, r+R] as the standard layer makes them: kv_a_layernorm(latent) | rotated rope key.
 
@@ -89,7 +90,7 @@ def standard_latent_rows(std: StandardAttention, x: torch.Tensor, cos: torch.Ten
     return torch.cat([normed, rotate_interleaved(rope_key, cos, sin)], dim=-1)
 
 
-def expanded_attention(std: StandardAttention, x: torch.Tensor, cache: torch.Tensor, cos: torch.Tensor,
+def expanded_attention(std: MLAAttention, x: torch.Tensor, cache: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, shape: MLAShape) -> torch.Tensor:
     """The reference: per-head keys and values rebuilt from the latent cache with kv_b_proj, then SDPA.
 

@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from mlaconv.absorb import MLAShape, StandardAttention, absorb_attention
+from mlaconv.absorb import MLAShape, absorb_attention
+from mlaconv.mla.attention import MLAAttention
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.rope import rotate_interleaved
 from mlaconv.progress import Progress, no_progress
@@ -110,11 +111,11 @@ class SourceLayer:
         return 2 * self.keys.numel() * self.keys.element_size()
 
 
-def random_mla_weights(shape: MLAShape, generator: torch.Generator) -> StandardAttention:
+def random_mla_weights(shape: MLAShape, generator: torch.Generator) -> MLAAttention:
     """A random DeepSeek-V3 layer (float32); timings do not depend on the values, only on the shapes."""
     H, N, r, R, P, V = shape.hidden, shape.heads, shape.rank, shape.rope_dim, shape.nope_dim, shape.v_dim
     w = H**-0.5
-    return StandardAttention(
+    return MLAAttention(
         q_proj=torch.randn(N * (P + R), H, generator=generator) * w,
         kv_a_proj=torch.randn(r + R, H, generator=generator) * w,
         kv_a_norm=torch.full((r,), 1e-3),  # w/√ε = 1: the absorbed latent keeps the O(1) scale of c
@@ -127,11 +128,11 @@ def random_mla_weights(shape: MLAShape, generator: torch.Generator) -> StandardA
 class MLALayers:
     """(b), (c) and (c′) for one MLA layer, sharing its random weights and latent cache."""
 
-    def __init__(self, shape: MLAShape, std: StandardAttention, context: int, dtype: torch.dtype, device: str,
+    def __init__(self, shape: MLAShape, std: MLAAttention, context: int, dtype: torch.dtype, device: str,
                  generator: torch.Generator):
         N, r, R, P, V = shape.heads, shape.rank, shape.rope_dim, shape.nope_dim, shape.v_dim
         self.shape = shape
-        self.standard = StandardAttention(**{k: (t.to(device=device, dtype=dtype) if t is not None else None)
+        self.standard = MLAAttention(**{k: (t.to(device=device, dtype=dtype) if t is not None else None)
                                              for k, t in vars(std).items()})
         self.absorbed = absorb_attention(std, shape).to(dtype, device)
         kv_b = self.standard.kv_b_proj.view(N, P + V, r)

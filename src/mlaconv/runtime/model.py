@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from mlaconv import deepseek
 from mlaconv.absorb import (ABSORBED_DIR, MANIFEST, AbsorbedAttention, MLAShape, RopeSpec, check_config,
-                            checked_absorb, read_absorbed_layer, read_absorbed_manifest, read_standard_attention)
+                            checked_absorb, read_absorbed_layer, read_absorbed_manifest)
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, read_config
 from mlaconv.runtime.attention import absorbed_attention, latent_rows, rope_cos_sin, widened
@@ -123,7 +123,7 @@ class LatentDecoder:
             if absorbed_reader is not None:
                 attention = read_absorbed_layer(absorbed_reader, i)
             else:
-                attention, _ = checked_absorb(read_standard_attention(reader, i), shape, i)
+                attention, _ = checked_absorb(deepseek.read_attention(reader, i), shape, i)
             p = deepseek.layer_prefix(i)
             layers.append(DecoderLayer(
                 input_norm=get(p + "input_layernorm.weight"), attention=attention.to(dtype, device),

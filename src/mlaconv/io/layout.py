@@ -1,0 +1,88 @@
+"""Writing a converted checkpoint: the DeepSeek-V3 tensors in the order the layer pass produces them.
+
+The head, the embedding and the final norm come first, then each layer's attention and its source MLP. A layer
+converted two ways (closed form and refined) is held on disk (``PendingTensors``) until the whole-model check
+chooses; memory holds one layer's tensors at a time. What a family folds into a tensor comes from
+``SourceWeights``; α is the residual rescale (``plan.residual_scale``).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from mlaconv import deepseek
+from mlaconv.arch import SourceSpec
+from mlaconv.families import SourceWeights
+from mlaconv.io.pending import PendingTensors
+from mlaconv.io.source import CheckpointReader
+from mlaconv.io.writer import ShardedWriter
+from mlaconv.mla.attention import MLAAttention
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
+)
+
+
+class LayerWriter:
+    """The output's tensors, written as they come: ``outer()``, then ``layer(i, models)`` for every layer in order,
+    then ``choose(name)`` when a layer was held with more than one model."""
+
+    def __init__(self, writer: ShardedWriter, reader: CheckpointReader, spec: SourceSpec, alpha: float,
+                 dtype: torch.dtype, biases: bool, pending: Path):
+        self.writer, self.weights, self.alpha, self.dtype, self.biases = writer, SourceWeights(reader, spec), alpha, dtype, biases
+        self.pending = PendingTensors(pending)
+
+    def outer(self) -> None:
+        """The head, the embedding (scaled by α) and the final norm, one at a time."""
+        w = self.weights
+        self.writer.add(deepseek.LM_HEAD, w.tensor(None, deepseek.LM_HEAD).to(self.dtype))
+        self.writer.add(deepseek.EMBED, scaled(w.tensor(None, deepseek.EMBED), self.alpha, self.dtype))
+        self.writer.add(deepseek.FINAL_NORM, w.tensor(None, deepseek.FINAL_NORM).to(self.dtype))
+
+    def layer(self, i: int, models: dict[str, MLAAttention]) -> None:
+        """Layer i: its attention (α already in o_proj), written now if there is one model, else held until
+        ``choose``; then the source MLP (down_proj scaled by α) and post-attention norm, one tensor at a time."""
+        tensors = {name: self._attention(mla) for name, mla in models.items()}
+        if len(tensors) == 1:
+            self._add(i, next(iter(tensors.values())))
+        else:
+            self.pending.put(i, tensors)
+        del tensors
+        w, p = self.weights, deepseek.layer_prefix(i)
+        for name in (deepseek.GATE_PROJ, deepseek.UP_PROJ):
+            self.writer.add(p + name, w.tensor(i, name).to(self.dtype))
+        w.release()
+        self.writer.add(p + deepseek.DOWN_PROJ, scaled(w.tensor(i, deepseek.DOWN_PROJ), self.alpha, self.dtype))
+        self.writer.add(p + deepseek.POST_ATTENTION_NORM, w.tensor(i, deepseek.POST_ATTENTION_NORM).to(self.dtype))
+
+    def choose(self, name: str) -> None:
+        """Write model ``name``'s version of every held layer."""
+        for i in list(self.pending.keys):
+            self._add(i, self.pending.take(i, name))
+
+    def _attention(self, mla: MLAAttention) -> dict[str, torch.Tensor]:
+        return {name: t.to(self.dtype) for name, t in deepseek.attention_tensors(mla, self.biases).items()}
+
+    def _add(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            self.writer.add(deepseek.layer_prefix(i) + name, tensor)
+
+
+def scaled(matrix: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
+    """matrix·α in ``dtype``, scaled in place in the wider of the two dtypes: no float64 copy of a large matrix
+    (the multiply runs in float32 at least, within one unit in the last place of the exact product)."""
+    return matrix.to(torch.promote_types(matrix.dtype, dtype)).mul_(alpha).to(dtype)
+
+
+def copy_tokenizer(source: Path, out: Path) -> list[str]:
+    """Copy the tokenizer and generation files the source has; return their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,293 @@
+"""Planning a conversion before any heavy work: the options checked against the source, the (r, R) shapes, the
+per-layer options and the model-wide rope stride. Cheap: headers, and for the stride one pass over the key weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from mlaconv import deepseek
+from mlaconv.arch import QK_NORM_NEEDS_CALIBRATION, SourceSpec
+from mlaconv.errors import MlaconvError
+from mlaconv.evaluate import TokenSource
+from mlaconv.io import CheckpointReader, read_config, resolve_source
+from mlaconv.mla import rope
+from mlaconv.mla.attention import AttentionShape, LayerOptions, full_rank, key_energies
+from mlaconv.mla.latent_norm import LATENT_NORM_EPS
+from mlaconv.models import DTYPES, check_device
+from mlaconv.options import ConvertOptions, Recipe, load_recipe
+from mlaconv.pipeline import source_layers
+from mlaconv.progress import Progress, no_progress
+from mlaconv.targets import rope_scaling_for, target
+
+DEFAULT_ROPE_DIM = 64
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The chosen MLA shapes and why."""
+
+    rank: int
+    rope_dim: int
+    reason: str
+
+
+def plan_shapes(spec: SourceSpec, rank: int | None, kv_keep: float | None, rope_dim: int | None) -> Shapes:
+    """Validate --rank / --kv-keep / --rope-dim against the source and pick (r, R)."""
+    d, rotary = spec.head_dim, spec.rotary_dim
+    source_elements = spec.kv_elements_per_token_per_layer
+    if rope_dim is not None:
+        if rope_dim < 2 or rope_dim % 2:
+            raise MlaconvError(f"--rope-dim must be an even number ≥ 2, got {rope_dim}")
+        if rope_dim > rotary:
+            raise MlaconvError(f"--rope-dim {rope_dim} is larger than the source head_dim {d}" if rotary == d else
+                               f"--rope-dim {rope_dim} is larger than the source's {rotary} rotary dims")
+    if (rank is None) == (kv_keep is None):
+        raise MlaconvError("give exactly one of --rank and --kv-keep (or a --recipe that sets one)")
+    if kv_keep is not None:
+        if not 0 < kv_keep <= 1:
+            raise MlaconvError(f"--kv-keep must be in (0, 1], got {kv_keep}")
+        budget = int(math.floor(kv_keep * source_elements + 1e-9))
+        R = rope_dim if rope_dim is not None else min(DEFAULT_ROPE_DIM, rotary, 2 * (budget // 4))
+        if R < 2 or budget - R < 1:
+            raise MlaconvError(
+                f"--kv-keep {kv_keep} leaves {budget} cache elements per token and layer, too few for "
+                f"{'--rope-dim ' + str(R) + ' plus ' if rope_dim else ''}a latent (source: {source_elements})"
+            )
+        r = min(budget - R, model_full_rank(spec, R))
+        reason = (f"budget {budget} of {source_elements} elements: {R} rope dims "
+                  f"({'given' if rope_dim else 'default, at most half the budget'}), latent rank {r}")
+        if r < budget - R:
+            reason += f" (capped at the full rank {r}; the cache is smaller than the budget)"
+        return Shapes(rank=r, rope_dim=R, reason=reason)
+    R = rope_dim if rope_dim is not None else min(DEFAULT_ROPE_DIM, rotary)
+    assert rank is not None
+    if rank < 1:
+        raise MlaconvError(f"--rank must be ≥ 1, got {rank}")
+    if rank > model_full_rank(spec, R):
+        rope_part = f" − {R} rope dims" if all(spec.rope_layers) else ", in its layers without RoPE"
+        raise MlaconvError(
+            f"--rank {rank} is larger than the matrix allows: at most {model_full_rank(spec, R)} for this model "
+            f"(min of hidden {spec.hidden_size} and 2·{spec.num_kv_heads}·{d}{rope_part})"
+        )
+    return Shapes(rank=rank, rope_dim=R, reason="rank given")
+
+
+def model_full_rank(spec: SourceSpec, rope_dim: int) -> int:
+    """The largest useful latent rank over the layers: a layer without RoPE keeps its whole key in the latent,
+    so its full rank does not lose the R rope dims (the rotated layers' latents are then zero-padded)."""
+    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    return full_rank(shape, rope_dim if all(spec.rope_layers) else 0)
+
+
+def shape_candidates(spec: SourceSpec, kv_keep: float) -> list[Shapes]:
+    """The (r, R) splits of a --kv-keep budget that calibration compares.
+
+    R ∈ {8, 16, 32, 64, 128} up to head_dim and half the budget; r fills the rest, rounded down to a
+    multiple of 16 (tile-aligned for MLA kernels) once it is 64 or more, and capped at the full rank.
+    """
+    budget = int(math.floor(kv_keep * spec.kv_elements_per_token_per_layer + 1e-9))
+    default = plan_shapes(spec, None, kv_keep, None)
+    candidates = {default.rope_dim: default}
+    for R in (8, 16, 32, 64, 128):
+        if R <= min(spec.rotary_dim, budget // 2) and R not in candidates:
+            r = budget - R
+            r = min(r - r % 16 if r >= 64 else r, model_full_rank(spec, R))
+            candidates[R] = Shapes(rank=r, rope_dim=R, reason="")
+    return [candidates[R] for R in sorted(candidates)]
+
+
+def output_dtype(spec: SourceSpec, requested: str | None) -> torch.dtype:
+    if requested is not None and requested not in DTYPES:
+        raise MlaconvError(f"--dtype must be one of {', '.join(DTYPES)}, got {requested!r}")
+    dtype = DTYPES[requested] if requested else spec.dtype
+    if dtype == torch.float16:
+        raise MlaconvError(
+            "float16 output is refused: DeepSeek's kv_a_layernorm is made linear by keeping the latent tiny "
+            "(mean square ≤ 1e-5·1e-6), which float16 activations cannot hold (the weights fit float16: llama.cpp's "
+            "f16 GGUF, which computes in float32, is fine); use --dtype bfloat16 or float32"
+        )
+    if dtype not in (torch.float32, torch.bfloat16):
+        dtype = torch.float32
+    return dtype
+
+
+def load_source(source: str, revision: str | None = None,
+                allow_sliding_window: bool = False) -> tuple[Path, SourceSpec, CheckpointReader]:
+    """Resolve, validate and open a source checkpoint (headers only)."""
+    folder = resolve_source(source, revision)
+    spec = SourceSpec.from_config(read_config(folder), allow_sliding_window=allow_sliding_window)
+    reader = CheckpointReader(folder)
+    spec.check_tensors(reader)
+    return folder, spec, reader
+
+
+def residual_scale(spec: SourceSpec) -> float:
+    """α = √(1e-6/ε_src): rescales the residual stream so that rms_norm_eps can be DeepSeek's 1e-6 exactly."""
+    return math.sqrt(LATENT_NORM_EPS / spec.rms_norm_eps)
+
+
+def layer_options(spec: SourceSpec, shapes: Shapes, options: ConvertOptions) -> LayerOptions:
+    return LayerOptions(
+        rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling,
+        rope_stride=options.rope_stride, rotary_dim=spec.rotary_dim, context=min(spec.max_position_embeddings, 4096),
+        residual_scale=residual_scale(spec), delta=options.delta, biases=target(options.target).biases,
+    )
+
+
+@dataclass
+class Plan:
+    """A validated conversion: the opened source, the chosen shapes and the per-layer options."""
+
+    folder: Path
+    spec: SourceSpec
+    reader: CheckpointReader
+    shapes: Shapes
+    layer: LayerOptions
+
+    @property
+    def shape(self) -> AttentionShape:
+        s = self.spec
+        return AttentionShape(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim)
+
+
+def plan_conversion(source: str, options: ConvertOptions) -> Plan:
+    """Open and validate the source, check the recipe, and choose (r, R); cheap (headers only)."""
+    target(options.target)  # an unknown target fails before the source is opened
+    folder, spec, reader = load_source(source, options.revision, options.allow_sliding_window)
+    if options.recipe:
+        check_recipe(load_recipe(options.recipe), spec)
+    if spec.family.qk_norm and not options.calibrated:
+        raise MlaconvError(QK_NORM_NEEDS_CALIBRATION.format(label=spec.family.label))
+    shapes = plan_shapes(spec, options.rank, options.kv_keep, options.rope_dim)
+    searched = options.calibrated and options.kv_keep is not None and options.rope_dim is None  # see calibrated.search_shapes
+    if (options.rope_stride is not None and not searched
+            and options.rope_stride not in rope.strides(spec.rotary_dim, shapes.rope_dim)):
+        raise MlaconvError(f"--rope-stride {options.rope_stride} does not fit {shapes.rope_dim} rope dims in "
+                           f"{'head_dim' if spec.rotary_dim == spec.head_dim else 'the rotary dims'} {spec.rotary_dim}")
+    check_device(options.device)
+    if options.absorbed and spec.rope_scaling and spec.rope_scaling["rope_type"] == "longrope":
+        from mlaconv.absorb import LONGROPE_REFUSAL
+
+        raise MlaconvError(f"--absorbed is refused for this model: {LONGROPE_REFUSAL}")
+    if options.calib_tokens < 1:
+        raise MlaconvError(f"--calib-tokens must be positive, got {options.calib_tokens}")
+    if options.refine_steps is not None and options.refine_steps < 0:
+        raise MlaconvError(f"--refine-steps must be ≥ 0, got {options.refine_steps}")
+    if options.refine_batch < 1 or options.refine_check_every < 1:
+        raise MlaconvError("the refinement batch and check interval must be ≥ 1")
+    if options.evaluated:
+        eval_source(options)  # a missing eval file or a malformed dataset name fails now, not after hours
+    return Plan(folder, spec, reader, shapes, layer_options(spec, shapes, options))
+
+
+def describe_model(spec: SourceSpec) -> str:
+    """A short name for a source model, from its shapes (config.json rarely names the model)."""
+    return (f"this {spec.family.label} model ({spec.num_layers} layers, hidden {spec.hidden_size}, "
+            f"{spec.num_heads} heads, {spec.num_kv_heads} KV heads × {spec.head_dim})")
+
+
+def check_recipe(recipe: Recipe, spec: SourceSpec) -> Shapes:
+    """Refuse a recipe whose shapes do not fit ``spec`` or whose ``kv_cache`` block is wrong; return the shapes.
+
+    The shapes are planned by ``plan_shapes``, the code the conversion runs.
+    """
+    o = recipe.options
+    prefix = f"recipe {recipe.path.name} does not fit {describe_model(spec)}"
+    try:
+        shapes = plan_shapes(spec, o.get("rank"), o.get("kv_keep"), o.get("rope_dim"))
+        dtype = output_dtype(spec, o.get("dtype"))
+    except MlaconvError as exc:
+        raise MlaconvError(f"{prefix}: {exc}") from None
+    stride = o.get("rope_stride")
+    if stride is not None and stride not in rope.strides(spec.rotary_dim, shapes.rope_dim):
+        raise MlaconvError(f"{prefix}: rope_stride {stride} does not fit {shapes.rope_dim} rope dims in "
+                           f"{'head_dim' if spec.rotary_dim == spec.head_dim else 'the rotary dims'} {spec.rotary_dim}")
+    if recipe.kv_cache:
+        computed = kv_cache_figures(spec, shapes, dtype)
+        for group, fields in recipe.kv_cache.items():
+            for name, value in fields.items():
+                if value != computed[group][name]:
+                    raise MlaconvError(f"{prefix}: kv_cache.{group}.{name} says {value}, the shapes give "
+                                       f"{computed[group][name]}")
+    return shapes
+
+
+def kv_cache_figures(spec: SourceSpec, shapes: Shapes, dtype: torch.dtype) -> dict:
+    """The ``kv_cache`` block a recipe should carry: per token per layer, and bytes per token over all layers."""
+    element = torch.empty((), dtype=dtype).element_size()
+    source, converted = spec.kv_elements_per_token_per_layer, shapes.rank + shapes.rope_dim
+    return {
+        "elements_per_token_per_layer": {"source": source, "converted": converted},
+        "bytes_per_token": {"source": source * spec.num_layers * element,
+                            "converted": converted * spec.num_layers * element},
+    }
+
+
+def estimate_output_bytes(spec: SourceSpec, shapes: Shapes, dtype: torch.dtype, absorbed: bool = False) -> int:
+    H, N, d, R, r, L = (spec.hidden_size, spec.num_heads, spec.head_dim, shapes.rope_dim, shapes.rank,
+                        spec.num_layers)
+    attention = N * (d + R) * H + (r + R) * H + r + N * 2 * d * r + H * N * d
+    if absorbed:  # OUT/absorbed: q_latent, q_rope, kv_down, o_latent per layer
+        attention += N * r * H + N * R * H + (r + R) * H + H * N * r
+    mlp = 3 * H * spec.intermediate_size + 2 * H
+    total = L * (attention + mlp) + 2 * spec.vocab_size * H + H
+    return total * torch.empty((), dtype=dtype).element_size()
+
+
+def output_config(spec: SourceSpec, shapes: Shapes, stride: int, target_name: str, attention_bias: bool,
+                  dtype: torch.dtype) -> tuple[dict, dict | None]:
+    """The output's config.json for ``target_name``, and the rope rewrite that target made, if any."""
+    kept = rope.kept_frequencies(shapes.rope_dim, stride)
+    theta = rope.target_rope_theta(spec.rope_theta, spec.rotary_dim, shapes.rope_dim, stride)
+    rope_scaling, rope_rewrite = rope_scaling_for(target(target_name), rope.target_rope_scaling(spec.rope_scaling, kept),
+                                                  theta, shapes.rope_dim, spec.rope_frequencies()[kept])
+    config = deepseek.build_config(spec, rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=theta,
+                                   rope_scaling=rope_scaling, attention_bias=attention_bias,
+                                   dtype_name=str(dtype).replace("torch.", ""))
+    return config, rope_rewrite
+
+
+def with_rope_stride(plan: Plan, progress: Progress = no_progress) -> Plan:
+    """The plan with its model-wide rope stride chosen (a pass over the key weights), unless it is set."""
+    if plan.layer.rope_stride is not None:
+        return plan
+    R = plan.layer.rope_dim
+    stride = rope_strides(plan, [R], progress)[R]
+    return replace(plan, layer=replace(plan.layer, rope_stride=stride))
+
+
+def eval_source(options: ConvertOptions) -> TokenSource:
+    token_source = TokenSource(text=Path(options.eval_text) if options.eval_text else None,
+                               dataset=options.eval_dataset,
+                               tokens=Path(options.eval_tokens) if options.eval_tokens else None)
+    for path in (token_source.text, token_source.tokens):
+        if path is not None and not path.is_file():
+            raise MlaconvError(f"evaluation file not found: {path}")
+    token_source.describe()  # parses a dataset name
+    return token_source
+
+
+def rope_strides(plan: Plan, rope_dims: list[int], progress: Progress = no_progress) -> dict[int, int]:
+    """One frequency grid per candidate R for the whole model (the config has one rope_theta), from the weights.
+
+    One pass reads each layer's key projection and input norm only; for each R the stride with the
+    highest mean cost-weighted kept energy wins.
+    """
+    rotary = plan.spec.rotary_dim
+    pending = [R for R in rope_dims if len(rope.strides(rotary, R)) > 1]
+    chosen = {R: rope.strides(rotary, R)[0] for R in rope_dims if R not in pending}
+    if pending:
+        scores: dict[int, list[dict[int, float]]] = {R: [] for R in pending}
+        for layer in source_layers(plan.reader, plan.spec, progress=progress, label="choosing rope frequencies"):
+            if not plan.spec.rope_layers[layer.index]:
+                continue  # a layer without RoPE has no rotated energy to keep
+            energies = key_energies(*layer.key(), plan.shape, plan.layer)
+            for R in pending:
+                scores[R].append(rope.stride_scores(energies, R))
+        chosen.update({R: rope.best_stride(scores[R]) for R in pending})
+    return chosen

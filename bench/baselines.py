@@ -63,7 +63,8 @@ from mlaconv.calibrate import CalibrationOptions, SourceStreamer
 from mlaconv.io import CheckpointReader, ShardedWriter, atomic_output_dir
 from mlaconv.io.layout import LayerWriter, copy_tokenizer
 from mlaconv.mla import rope
-from mlaconv.mla.attention import AttentionShape, MLAAttention, SourceAttention, scale_input
+from mlaconv.mla.attention import scale_input
+from mlaconv.mla.layer import AttentionShape, MLAAttention, SourceAttention
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
 from mlaconv.models import load_causal_lm
 from mlaconv.pipeline import source_layers

@@ -159,7 +159,9 @@ def probe_attention(shape: Shape, rank: int, rope_dim: int) -> None:
     """(In a child process.) Peak RSS added by converting one attention layer of ``shape``, weights only."""
     import torch
 
-    from mlaconv.mla.attention import AttentionShape, LayerOptions, SourceAttention, convert_attention
+    from mlaconv.mla.attention import convert_attention
+
+    from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
 
     H, N, K, d = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
     src = SourceAttention(q=0.02 * torch.randn(N * d, H), k=0.02 * torch.randn(K * d, H),

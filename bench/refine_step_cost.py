@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from mlaconv.calibrated import CPU_FLOPS  # noqa: E402
-from mlaconv.mla.attention import AttentionShape, LatentAttention  # noqa: E402
+from mlaconv.mla.attention import LatentAttention  # noqa: E402
+from mlaconv.mla.layer import AttentionShape  # noqa: E402
 from mlaconv.mla.refine import refine, refinement_flops  # noqa: E402
 
 

@@ -18,6 +18,7 @@ from mlaconv.absorb import (MANIFEST, MLAShape, absorb_attention, latent_norm_bo
 from mlaconv.options import ConvertOptions
 from mlaconv.conversion import convert
 from mlaconv.errors import MlaconvError
+from mlaconv.mla.layer import MLAAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 from mlaconv.runtime.attention import (absorbed_attention, expanded_attention, latent_rows, rope_cos_sin,
                                        standard_latent_rows)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from mlaconv.plan import load_source, plan_shapes
-from mlaconv.mla.attention import AttentionShape
+from mlaconv.mla.layer import AttentionShape
 from mlaconv.models import load_causal_lm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

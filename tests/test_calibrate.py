@@ -19,7 +19,8 @@ from mlaconv.pipeline import read_attention
 from mlaconv.families import FINAL_NORM, LM_HEAD
 from mlaconv.io import CheckpointReader, read_config
 from mlaconv.mla import latent
-from mlaconv.mla.attention import AttentionShape, LayerOptions, analyse_layer, convert_attention
+from mlaconv.mla.attention import analyse_layer, convert_attention
+from mlaconv.mla.layer import AttentionShape, LayerOptions
 from mlaconv.mla.refine import refine
 from mlaconv.models import load_causal_lm
 from mlaconv.reference import rms_norm

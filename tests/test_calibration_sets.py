@@ -17,7 +17,8 @@ from mlaconv.conversion import convert
 from mlaconv.pipeline import read_attention
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, read_config
-from mlaconv.mla.attention import AttentionShape, LayerOptions, convert_attention
+from mlaconv.mla.attention import convert_attention
+from mlaconv.mla.layer import AttentionShape, LayerOptions
 from mlaconv.mla.refine import refine
 from mlaconv.models import load_causal_lm
 from mlaconv.reference import rms_norm

@@ -21,7 +21,8 @@ from mlaconv.plan import layer_options, load_source, plan_shapes
 from mlaconv.pipeline import read_attention
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
-from mlaconv.mla.attention import AttentionShape, LayerStats, convert_attention
+from mlaconv.mla.attention import convert_attention
+from mlaconv.mla.layer import AttentionShape, LayerStats
 from mlaconv.plot import require_matplotlib, save_spectra_plot, spectra_figure
 from mlaconv.spectra import SpectraOptions, default_ranks, rank_for_energy, spectra, write_csv
 

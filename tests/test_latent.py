@@ -119,7 +119,9 @@ def test_the_input_scale_leaves_the_attention_unchanged():
     """reference.mla_attention of a converted layer on its own input s·x equals the unscaled layer on x."""
     from dataclasses import replace
 
-    from mlaconv.mla.attention import AttentionShape, LayerOptions, SourceAttention, convert_attention
+    from mlaconv.mla.attention import convert_attention
+
+    from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
     from mlaconv.reference import Heads, mla_attention, rope_angles
 
     g = torch.Generator().manual_seed(2)

@@ -7,7 +7,9 @@ from dataclasses import replace
 
 import torch
 
-from mlaconv.mla.attention import AttentionShape, LatentAttention
+from mlaconv.mla.attention import LatentAttention
+
+from mlaconv.mla.layer import AttentionShape
 from mlaconv.mla.refine import latent_attention, refine
 
 SHAPE = AttentionShape(hidden=32, heads=4, kv_heads=2, head_dim=8)

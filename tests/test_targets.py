@@ -143,8 +143,11 @@ def test_bias_fold_is_exact_when_the_input_has_a_constant_direction():
     every token) the bias-free layer's values and rope key equal the biased layer's (values + b_v, κ + its bias)."""
     from dataclasses import replace
 
-    from mlaconv.mla.attention import (AttentionShape, LayerOptions, SourceAttention, factor_attention, full_rank,
-                                       weights_only_stats)
+    from mlaconv.mla.attention import factor_attention, full_rank
+
+    from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
+
+    from mlaconv.mla.shared_key import weights_only_stats
 
     g = torch.Generator().manual_seed(0)
     shape = AttentionShape(hidden=32, heads=4, kv_heads=2, head_dim=8)

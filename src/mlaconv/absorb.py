@@ -41,7 +41,7 @@ from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, ShardedWriter, atomic_output_dir, read_config
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
 from mlaconv.mla import rope
-from mlaconv.mla.attention import MLAAttention
+from mlaconv.mla.layer import MLAAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 
 ABSORBED_DIR = "absorbed"

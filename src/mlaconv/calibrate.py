@@ -29,7 +29,7 @@ from mlaconv.io import CheckpointReader
 from mlaconv.models import load_tokenizer
 from mlaconv.progress import Progress, no_progress
 from mlaconv.mla import qk_norm
-from mlaconv.mla.attention import LayerStats, MLAAttention, SourceAttention
+from mlaconv.mla.layer import LayerStats, MLAAttention, SourceAttention
 from mlaconv.mla.rope import pair_frequencies
 from mlaconv.reference import (Heads, attention_by_distance, mla_attention, mlp_block, query_key, rms_norm,
                                rope_angles, source_attention)

@@ -20,8 +20,8 @@ from mlaconv.pipeline import SourceLayer, source_layers
 from mlaconv.plan import Plan, Shapes, rope_strides, shape_candidates
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
-from mlaconv.mla.attention import (LayerOptions, LayerReport, MLAAttention, assemble, convert_attention,
-                                   factor_attention, latent_errors)
+from mlaconv.mla.attention import assemble, convert_attention, factor_attention, latent_errors
+from mlaconv.mla.layer import LayerOptions, LayerReport, MLAAttention
 from mlaconv.mla.refine import CHECK_EVERY, REFINE_LR, refine, refinement_flops
 from mlaconv.progress import Progress, no_progress
 

@@ -17,7 +17,8 @@ from mlaconv.errors import MlaconvError
 from mlaconv.evaluate import evaluate_perplexity
 from mlaconv.io import ShardedWriter, atomic_output_dir, check_free_space, check_output_target
 from mlaconv.io.layout import LayerWriter, copy_tokenizer
-from mlaconv.mla.attention import LayerReport, MLAAttention, convert_attention
+from mlaconv.mla.attention import convert_attention
+from mlaconv.mla.layer import LayerReport, MLAAttention
 from mlaconv.model_card import write_model_card
 from mlaconv.options import ConvertOptions
 from mlaconv.pipeline import SourceLayer, source_layers

@@ -12,7 +12,7 @@ import torch
 
 from mlaconv.arch import SourceSpec
 from mlaconv.io import CheckpointReader
-from mlaconv.mla.attention import MLAAttention
+from mlaconv.mla.layer import MLAAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 
 ATTENTION = "self_attn."

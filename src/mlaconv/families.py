@@ -25,7 +25,7 @@ import torch
 
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import qk_norm
-from mlaconv.mla.attention import SourceAttention
+from mlaconv.mla.layer import SourceAttention
 from mlaconv.reference import MLPWeights
 
 if TYPE_CHECKING:

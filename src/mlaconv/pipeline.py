@@ -19,7 +19,7 @@ from mlaconv.arch import SourceSpec
 from mlaconv.calibrate import MLARun, SourceStreamer
 from mlaconv.families import SourceWeights
 from mlaconv.io import CheckpointReader
-from mlaconv.mla.attention import LayerStats, MLAAttention, SourceAttention
+from mlaconv.mla.layer import LayerStats, MLAAttention, SourceAttention
 from mlaconv.progress import Progress, no_progress
 
 

@@ -16,7 +16,9 @@ from mlaconv.errors import MlaconvError
 from mlaconv.evaluate import TokenSource
 from mlaconv.io import CheckpointReader, read_config, resolve_source
 from mlaconv.mla import rope
-from mlaconv.mla.attention import AttentionShape, LayerOptions, full_rank, key_energies
+from mlaconv.mla.attention import full_rank
+from mlaconv.mla.layer import AttentionShape, LayerOptions
+from mlaconv.mla.shared_key import key_energies
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 from mlaconv.models import DTYPES, check_device
 from mlaconv.options import ConvertOptions, Recipe, load_recipe

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mlaconv.mla.attention import MLAAttention, SourceAttention
+from mlaconv.mla.layer import MLAAttention, SourceAttention
 from mlaconv.mla.rope import rotate_interleaved
 
 

@@ -15,7 +15,7 @@ import transformers
 from mlaconv import __version__
 from mlaconv.arch import SourceSpec
 from mlaconv.engines import BIASES
-from mlaconv.mla.attention import LayerReport
+from mlaconv.mla.layer import LayerReport
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 from mlaconv.options import ConvertOptions
 from mlaconv.plan import Shapes, kv_cache_figures

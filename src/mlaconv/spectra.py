@@ -36,8 +36,9 @@ from mlaconv.errors import MlaconvError
 from mlaconv.mla import latent as latent_math
 from mlaconv.mla import metric as metric_math
 from mlaconv.mla import rope
-from mlaconv.mla.attention import (AttentionShape, LayerAnalysis, LayerOptions, LayerStats, SourceAttention, analyse_layer,
-                                   latent_errors, query_energy_per_head, rotating_pairs, weights_only_stats)
+from mlaconv.mla.attention import LayerAnalysis, analyse_layer, latent_errors
+from mlaconv.mla.layer import AttentionShape, LayerOptions, LayerStats, SourceAttention
+from mlaconv.mla.shared_key import query_energy_per_head, rotating_pairs, weights_only_stats
 from mlaconv.progress import Progress, no_progress
 
 DEFAULT_ENERGY_TARGETS = (0.9, 0.95, 0.99)

@@ -19,7 +19,7 @@ from mlaconv.families import SourceWeights
 from mlaconv.io.pending import PendingTensors
 from mlaconv.io.source import CheckpointReader
 from mlaconv.io.writer import ShardedWriter
-from mlaconv.mla.attention import MLAAttention
+from mlaconv.mla.layer import MLAAttention
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",

@@ -11,8 +11,8 @@ dims, latent rank r:
     kv_b_proj           [N·2d, r]      per head: d key rows, then d value rows (GQA groups expanded)
     o_proj              [H, N·d]
 
-Steps: (1) mix KV heads per frequency into one rotated component (``rope.head_mix``) and choose
-the frequencies that fill the R/2 slots; (2) the rest of every key (its remainder) loses rotation
+Steps: (1) mix KV heads per frequency into one rotated component and choose the frequencies that fill
+the R/2 slots (``shared_key``); (2) the rest of every key (its remainder) loses rotation
 and, stacked with V, is factored into one rank-r latent (``latent.factor``); (3) the query is
 re-expressed for that key layout, with the softmax-scale change (d+R)^-½ vs d^-½ folded in;
 (4) biases are folded where that is exact, and everything else is recorded; (5) the stock tensors, with
@@ -23,123 +23,16 @@ All math runs in float64; the caller casts the result.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from mlaconv.mla import latent as latent_math
 from mlaconv.mla import metric as metric_math
 from mlaconv.mla import rope
-from mlaconv.mla.latent_norm import DEFAULT_DELTA, input_scale, tiny_latent
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    hidden: int  # H
-    heads: int  # N
-    kv_heads: int  # n_kv
-    head_dim: int  # d
-
-    @property
-    def group(self) -> int:
-        return self.heads // self.kv_heads
-
-
-@dataclass
-class SourceAttention:
-    """One source layer's attention weights (and the input RMSNorm weight γ that precedes them)."""
-
-    q: torch.Tensor  # [N·d, H]
-    k: torch.Tensor  # [n_kv·d, H]
-    v: torch.Tensor  # [n_kv·d, H]
-    o: torch.Tensor  # [H, N·d]
-    input_norm: torch.Tensor  # γ [H]
-    q_bias: torch.Tensor | None = None
-    k_bias: torch.Tensor | None = None
-    v_bias: torch.Tensor | None = None
-    o_bias: torch.Tensor | None = None
-    rotated: bool = True  # False: the layer applies no RoPE at all (SmolLM3's NoPE layers)
-    q_norm: torch.Tensor | None = None  # [d]: RMSNorm weight on each query head before RoPE (Qwen3's QK-norm)
-    k_norm: torch.Tensor | None = None  # [d]: the same on each key head
-    qk_norm_eps: float = 1e-6
-
-    @property
-    def has_qk_norm(self) -> bool:
-        return self.q_norm is not None or self.k_norm is not None
-
-    def cast(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "SourceAttention":
-        return cast_tensors(self, device, dtype)
-
-
-def cast_tensors(layer, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-    """The same layer (a dataclass of tensors) with every tensor moved to ``device`` and/or ``dtype``."""
-    return replace(layer, **{name: t.to(device=device, dtype=dtype) for name, t in vars(layer).items()
-                             if isinstance(t, torch.Tensor)})
-
-
-@dataclass(frozen=True)
-class LayerOptions:
-    rank: int  # r
-    rope_dim: int  # R
-    rope_theta: float
-    rope_scaling: dict | None = None
-    rope_stride: int | None = None  # None: chosen from the energies
-    rotary_dim: int | None = None  # d_rot: head dims RoPE turns (None: all); the rest are pairs of frequency 0
-    context: int = 4096  # window of the data-free attention profile
-    query_weighted_rope: bool = False  # weight each KV head's key energy by the query energy it serves
-    latent_weighting: str = "balanced"  # "balanced": K and V blocks at equal energy; "attention": keys
-    # weighted by the queries that read them (q·k is what matters), values by W_o (W_o·v is)
-    residual_scale: float = 1.0  # α: rescales what o_proj writes into the residual stream
-    delta: float = DEFAULT_DELTA  # tiny-latent bound on mean(c²)/ε
-    biases: bool = True  # False: the output has no bias tensors (a serving target that ignores them); the
-    # rope key's bias and W_o·b_v are then dropped here, and a refinement re-fits the layer with them fixed at zero
-
-
-@dataclass
-class MLAAttention:
-    """One converted layer's stock DeepSeek-V3 attention tensors, and the input norm weight that feeds them."""
-
-    q_proj: torch.Tensor  # [N·(d+R), H]
-    kv_a_proj: torch.Tensor  # [r+R, H]
-    kv_a_norm: torch.Tensor  # [r]
-    kv_b_proj: torch.Tensor  # [N·2d, r]
-    o_proj: torch.Tensor  # [H, N·d]
-    input_norm: torch.Tensor  # [H] the layer's input_layernorm weight s·γ (written in place of the source's γ)
-    kv_a_bias: torch.Tensor | None = None  # [r+R]
-    o_bias: torch.Tensor | None = None  # [H]
-
-    def cast(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "MLAAttention":
-        return cast_tensors(self, device, dtype)
-
-
-@dataclass
-class LayerReport:
-    energy_retained: float  # latent: 1 − the balanced [K_nope; V] relative error (``latent_errors``)
-    rope_energy_kept: float  # fraction of key energy that stays rotated
-    rope_energy_kept_per_frequency: list[float]
-    rope_loss_weighted_kept: float
-    rope_stride: int
-    key_error: float  # measured relative error of the NoPE keys through the latent
-    value_error: float  # measured relative error of the values through the latent
-    latent_bound: float  # proven max over all tokens of mean(c'²)/ε
-    dropped_bias: list[str] = field(default_factory=list)  # bias terms no stock DeepSeek tensor can hold
-    attention_error: float | None = None  # measured on calibration windows: ‖MLA − source‖²/‖source‖²
-    variant: str = "weights-only"  # which conversion variant this layer kept
-    objective_retained: float | None = None  # 1 − the relative error in the variant's own latent weighting
-
-
-@dataclass(frozen=True)
-class LayerStats:
-    """What calibration knows of one layer (weights-only: ĥ isotropic, no attention profile).
-
-    rotation_mean μ[h, j] = E[e^{-iΔω_j}] over the attention of query head h (Δ = query position −
-    key position, weighted by the attention probabilities): the best position-free stand-in for the
-    rotation of a key component that loses it. Calibration measures it; without data a prior is used.
-    """
-
-    metric: torch.Tensor  # E[x xᵀ] [H, H] float64, or its diagonal [H] (``mla.metric``)
-    rotation_mean: torch.Tensor  # μ [N, F] complex128
-    mean: torch.Tensor | None = None  # E[x] [H] (calibration only)
+from mlaconv.mla.latent_norm import input_scale, tiny_latent
+from mlaconv.mla.layer import AttentionShape, LayerOptions, LayerReport, LayerStats, MLAAttention, SourceAttention
+from mlaconv.mla.shared_key import decompose_keys, nope_query, weights_only_stats
 
 
 def constant_readout(stats: LayerStats) -> torch.Tensor | None:
@@ -151,94 +44,9 @@ def constant_readout(stats: LayerStats) -> torch.Tensor | None:
     return torch.linalg.solve(metric, stats.mean.to(metric.dtype))
 
 
-def layer_frequencies(shape: AttentionShape, options: LayerOptions, rotated: bool = True) -> torch.Tensor:
-    """ω per rotate-half pair of a source layer [d/2]: the rotary dims' frequencies, then 0 for the pairs RoPE
-    leaves alone (all of them when the layer is not ``rotated``)."""
-    rotary = options.rotary_dim or shape.head_dim
-    freqs = rope.scaled_frequencies(options.rope_theta, rotary, options.rope_scaling)
-    return rope.pair_frequencies(freqs if rotated else torch.zeros_like(freqs), shape.head_dim)
-
-
-def rotating_pairs(shape: AttentionShape, options: LayerOptions) -> int:
-    """F_rot: how many rotate-half pairs RoPE turns (the first ones); the shared key's slots come from these."""
-    return (options.rotary_dim or shape.head_dim) // 2
-
-
-def weights_only_stats(gamma: torch.Tensor, shape: AttentionShape, options: LayerOptions,
-                       rotated: bool = True) -> LayerStats:
-    """Statistics without data: ĥ isotropic (E[x xᵀ] = diag γ², kept as its diagonal) and the prior attention profile."""
-    freqs = layer_frequencies(shape, options, rotated)
-    mean = rope.prior_rotation_mean(freqs, options.context)
-    mean[freqs == 0] = 1  # a pair that never turns keeps its whole alignment
-    return LayerStats(metric=gamma.to(torch.float64) ** 2, rotation_mean=mean[None, :].expand(shape.heads, -1))
-
-
 def full_rank(shape: AttentionShape, rope_dim: int) -> int:
     """The largest useful latent rank: rows of [K_nope; V] or the hidden size, whichever is smaller."""
     return min(shape.hidden, 2 * shape.kv_heads * shape.head_dim - rope_dim)
-
-
-def query_energy_per_head(q: torch.Tensor, shape: AttentionShape, metric: torch.Tensor) -> torch.Tensor:
-    """E|q_h^j|² → [F, N]."""
-    zq = rope.complex_pairs(q, shape.heads)  # [F, N, H]
-    return metric_math.energy(zq, metric)
-
-
-def unrotation_cost(stats: LayerStats) -> torch.Tensor:
-    """[F, N]: E|e^{-iΔω} − μ|² = 1 − |μ|², what losing the rotation of a component at frequency j costs
-    head h when the component then sees the mean rotation μ instead."""
-    return (1 - stats.rotation_mean.abs() ** 2).clamp_min(0).T
-
-
-def key_mix(k: torch.Tensor, q: torch.Tensor | None, shape: AttentionShape, stats: LayerStats,
-            options: LayerOptions) -> tuple[torch.Tensor, rope.HeadMix]:
-    """Per frequency, the best mix of the KV heads into one rotated component → (complex keys, mix).
-
-    Each KV head weighs by what losing its rotation costs the query heads it serves: the unrotation
-    cost, times the query energy when ``query_weighted_rope``.
-    """
-    zk = rope.complex_pairs(k, shape.kv_heads)  # [F, n_kv, H]
-    gram = rope.hermitian_gram(zk, stats.metric)
-    cost = unrotation_cost(stats)  # [F, N]
-    if options.query_weighted_rope:
-        cost = cost * query_energy_per_head(q, shape, stats.metric)
-    weights = cost.reshape(cost.shape[0], shape.kv_heads, shape.group).sum(-1)
-    return zk, rope.head_mix(gram, weights)
-
-
-def key_energies(k: torch.Tensor, gamma: torch.Tensor, shape: AttentionShape, options: LayerOptions) -> torch.Tensor:
-    """[F_rot, n_kv] weights-only energies of the per-frequency head mix (what the rope stride is chosen from).
-
-    Without data and without query weighting the mix depends on the keys and γ alone, not on R.
-    """
-    stats = weights_only_stats(gamma, shape, options)
-    unweighted = replace(options, query_weighted_rope=False)
-    return key_mix(k.to(torch.float64), None, shape, stats, unweighted)[1].energies[: rotating_pairs(shape, options)]
-
-
-def decompose_keys(k: torch.Tensor, q: torch.Tensor, shape: AttentionShape, stats: LayerStats,
-                   options: LayerOptions, rotated: bool = True):
-    """Split the keys into the shared rotated component and per-head remainders (step 1).
-
-    Slots only take rotating pairs (the first F_rot); a layer that is not ``rotated`` keeps no shared
-    component (its rope rows are zero) and every key goes whole into the remainders. ``plain_kept`` is
-    the fraction of the rotating pairs' key energy that stays rotated (1 when nothing rotates).
-    """
-    zk, mix = key_mix(k, q, shape, stats, options)
-    if not rotated:
-        mix = rope.HeadMix(a=torch.zeros_like(mix.a), b=torch.zeros_like(mix.b), energies=torch.zeros_like(mix.energies))
-    rotating = rotating_pairs(shape, options)
-    stride = options.rope_stride
-    if stride is None:
-        stride = rope.best_stride([rope.stride_scores(mix.energies[:rotating], options.rope_dim)])
-    choice = rope.choose_frequencies(mix.energies[:rotating], options.rope_dim, stride)
-    kept = choice.frequencies
-    shared = torch.einsum("sg,sgh->sh", mix.b[kept], zk[kept])  # κ per slot [R/2, H]
-    remainder = zk.clone()
-    remainder[kept] -= mix.a[kept][:, :, None] * shared[:, None, :]
-    total = metric_math.total_energy(zk[:rotating], stats.metric) if rotated else 0.0
-    plain_kept = 1 - metric_math.total_energy(remainder[:rotating], stats.metric) / total if total > 0 else 1.0
-    return mix, choice, plain_kept, shared, rope.real_rows(remainder)
 
 
 def block_norm(w: torch.Tensor, metric: torch.Tensor) -> float:
@@ -284,13 +92,6 @@ def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, opti
     if options.latent_weighting == "attention":
         return target, torch.block_diag(key_weight, value_weight)
     return target, torch.cat([key_weight.diagonal(), value_weight.diagonal()])
-
-
-def nope_query(q: torch.Tensor, shape: AttentionShape, stats: LayerStats) -> torch.Tensor:
-    """The NoPE query rows [N·d, H]: the source query times conj(μ) per pair, so that the key remainders
-    (which lost their rotation) see the mean rotation instead of none."""
-    zq = rope.complex_pairs(q, shape.heads)  # [F, N, H]
-    return rope.real_rows(stats.rotation_mean.T.conj()[:, :, None] * zq)
 
 
 @dataclass

@@ -16,7 +16,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from mlaconv.mla.attention import AttentionShape, LatentAttention
+from mlaconv.mla.attention import LatentAttention
+
+from mlaconv.mla.layer import AttentionShape
 from mlaconv.mla.rope import rotate_interleaved
 
 CHECK_EVERY = 10  # steps between two measurements on the select windows

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaconv.absorb import AbsorbedAttention, MLAShape
-from mlaconv.mla.attention import MLAAttention
+from mlaconv.mla.layer import MLAAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 from mlaconv.mla.rope import rotate_interleaved
 

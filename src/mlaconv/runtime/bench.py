@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaconv.absorb import MLAShape, absorb_attention
-from mlaconv.mla.attention import MLAAttention
+from mlaconv.mla.layer import MLAAttention
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.rope import rotate_interleaved
 from mlaconv.progress import Progress, no_progress

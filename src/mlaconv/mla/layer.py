@@ -1,0 +1,121 @@
+"""The tensor sets and settings of one attention layer: the source's (``SourceAttention``, Llama's canonical
+layout), the converted one's (``MLAAttention``, DeepSeek-V3's stock tensors), the shapes, the per-layer options,
+the statistics the conversion weighs by, and what it reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mlaconv.mla.latent_norm import DEFAULT_DELTA
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    hidden: int  # H
+    heads: int  # N
+    kv_heads: int  # n_kv
+    head_dim: int  # d
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+@dataclass
+class SourceAttention:
+    """One source layer's attention weights (and the input RMSNorm weight γ that precedes them)."""
+
+    q: torch.Tensor  # [N·d, H]
+    k: torch.Tensor  # [n_kv·d, H]
+    v: torch.Tensor  # [n_kv·d, H]
+    o: torch.Tensor  # [H, N·d]
+    input_norm: torch.Tensor  # γ [H]
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    rotated: bool = True  # False: the layer applies no RoPE at all (SmolLM3's NoPE layers)
+    q_norm: torch.Tensor | None = None  # [d]: RMSNorm weight on each query head before RoPE (Qwen3's QK-norm)
+    k_norm: torch.Tensor | None = None  # [d]: the same on each key head
+    qk_norm_eps: float = 1e-6
+
+    @property
+    def has_qk_norm(self) -> bool:
+        return self.q_norm is not None or self.k_norm is not None
+
+    def cast(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "SourceAttention":
+        return cast_tensors(self, device, dtype)
+
+
+def cast_tensors(layer, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    """The same layer (a dataclass of tensors) with every tensor moved to ``device`` and/or ``dtype``."""
+    return replace(layer, **{name: t.to(device=device, dtype=dtype) for name, t in vars(layer).items()
+                             if isinstance(t, torch.Tensor)})
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    rank: int  # r
+    rope_dim: int  # R
+    rope_theta: float
+    rope_scaling: dict | None = None
+    rope_stride: int | None = None  # None: chosen from the energies
+    rotary_dim: int | None = None  # d_rot: head dims RoPE turns (None: all); the rest are pairs of frequency 0
+    context: int = 4096  # window of the data-free attention profile
+    query_weighted_rope: bool = False  # weight each KV head's key energy by the query energy it serves
+    latent_weighting: str = "balanced"  # "balanced": K and V blocks at equal energy; "attention": keys
+    # weighted by the queries that read them (q·k is what matters), values by W_o (W_o·v is)
+    residual_scale: float = 1.0  # α: rescales what o_proj writes into the residual stream
+    delta: float = DEFAULT_DELTA  # tiny-latent bound on mean(c²)/ε
+    biases: bool = True  # False: the output has no bias tensors (a serving target that ignores them); the
+    # rope key's bias and W_o·b_v are then dropped here, and a refinement re-fits the layer with them fixed at zero
+
+
+@dataclass
+class MLAAttention:
+    """One converted layer's stock DeepSeek-V3 attention tensors, and the input norm weight that feeds them."""
+
+    q_proj: torch.Tensor  # [N·(d+R), H]
+    kv_a_proj: torch.Tensor  # [r+R, H]
+    kv_a_norm: torch.Tensor  # [r]
+    kv_b_proj: torch.Tensor  # [N·2d, r]
+    o_proj: torch.Tensor  # [H, N·d]
+    input_norm: torch.Tensor  # [H] the layer's input_layernorm weight s·γ (written in place of the source's γ)
+    kv_a_bias: torch.Tensor | None = None  # [r+R]
+    o_bias: torch.Tensor | None = None  # [H]
+
+    def cast(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "MLAAttention":
+        return cast_tensors(self, device, dtype)
+
+
+@dataclass
+class LayerReport:
+    energy_retained: float  # latent: 1 − the balanced [K_nope; V] relative error (``latent_errors``)
+    rope_energy_kept: float  # fraction of key energy that stays rotated
+    rope_energy_kept_per_frequency: list[float]
+    rope_loss_weighted_kept: float
+    rope_stride: int
+    key_error: float  # measured relative error of the NoPE keys through the latent
+    value_error: float  # measured relative error of the values through the latent
+    latent_bound: float  # proven max over all tokens of mean(c'²)/ε
+    dropped_bias: list[str] = field(default_factory=list)  # bias terms no stock DeepSeek tensor can hold
+    attention_error: float | None = None  # measured on calibration windows: ‖MLA − source‖²/‖source‖²
+    variant: str = "weights-only"  # which conversion variant this layer kept
+    objective_retained: float | None = None  # 1 − the relative error in the variant's own latent weighting
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """What calibration knows of one layer (weights-only: ĥ isotropic, no attention profile).
+
+    rotation_mean μ[h, j] = E[e^{-iΔω_j}] over the attention of query head h (Δ = query position −
+    key position, weighted by the attention probabilities): the best position-free stand-in for the
+    rotation of a key component that loses it. Calibration measures it; without data a prior is used.
+    """
+
+    metric: torch.Tensor  # E[x xᵀ] [H, H] float64, or its diagonal [H] (``mla.metric``)
+    rotation_mean: torch.Tensor  # μ [N, F] complex128
+    mean: torch.Tensor | None = None  # E[x] [H] (calibration only)

@@ -17,7 +17,8 @@ import torch
 
 from mlaconv.calibrate import load_calibration_tokens
 from mlaconv.plan import load_source
-from mlaconv.evaluate import TokenSource, evaluate_perplexity
+from mlaconv.evaluate import evaluate_perplexity
+from mlaconv.io.text import TokenSource
 
 WINDOW = 256
 CALIB_WINDOWS = 64

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_public_names_are_the_library_functions():
     from mlaconv.options import ConvertOptions
     from mlaconv.conversion import convert
-    from mlaconv.evaluate import TokenSource, evaluate_perplexity
+    from mlaconv.evaluate import evaluate_perplexity
+    from mlaconv.io.text import TokenSource
     from mlaconv.io.gguf import export_gguf
     from mlaconv.spectra import SpectraOptions, spectra
 

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 import mlaconv.evaluate as evaluate_module
 from mlaconv.cli import app
 from mlaconv.errors import MlaconvError
-from mlaconv.evaluate import TokenSource, cut_windows, evaluate_perplexity, load_eval_tokens
+from mlaconv.evaluate import evaluate_perplexity
+from mlaconv.io.text import TokenSource, cut_windows, load_eval_tokens
 from mlaconv.models import load_causal_lm
 
 VOCAB = 96

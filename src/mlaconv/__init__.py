@@ -20,7 +20,7 @@ _API = {  # public name → (module, attribute)
     "inspect_spectra": ("mlaconv.spectra", "spectra"),
     "SpectraOptions": ("mlaconv.spectra", "SpectraOptions"),
     "evaluate_perplexity": ("mlaconv.evaluate", "evaluate_perplexity"),
-    "TokenSource": ("mlaconv.evaluate", "TokenSource"),
+    "TokenSource": ("mlaconv.io.text", "TokenSource"),
     "export_gguf": ("mlaconv.io.gguf", "export_gguf"),
     "MlaconvError": ("mlaconv.errors", "MlaconvError"),
 }

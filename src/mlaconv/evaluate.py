@@ -27,53 +27,15 @@ import torch
 from mlaconv.errors import MlaconvError
 from mlaconv.progress import Progress, no_progress
 from mlaconv.io import read_config, resolve_source
-from mlaconv.io.text import load_dataset_text, parse_dataset, read_text, read_token_lines
+from mlaconv.io.text import TokenSource, cut_windows, load_eval_tokens
 from mlaconv.models import (DTYPES, available_memory_bytes, check_device, kv_cache_bytes_per_token, kv_cache_elements,
-                            load_causal_lm, load_tokenizer, parameter_bytes, refuse_float16_mla)
+                            load_causal_lm, parameter_bytes, refuse_float16_mla)
 
 DEFAULT_WINDOW = 2048
 # Rows × vocab of logits turned into float32 log-probabilities at once (64 MiB per model).
 LOGIT_CHUNK_ELEMENTS = 2**24
 # Share of the free memory both models and their logits may take before they run one after the other.
 MEMORY_HEADROOM = 0.9
-
-
-@dataclass(frozen=True)
-class TokenSource:
-    """Where the evaluation ids come from: exactly one of a text file, a dataset, or JSON lines of ids.
-
-    ``dataset`` is ``NAME[:CONFIG[:SPLIT]]`` for ``datasets.load_dataset`` (split ``test`` by default);
-    plain ``wikitext`` means WikiText-2 raw, test split.
-    """
-
-    text: Path | None = None
-    dataset: str | None = None
-    tokens: Path | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("text", "tokens"):  # a str path is a path (frozen: set through object)
-            if isinstance(getattr(self, name), str):
-                object.__setattr__(self, name, Path(getattr(self, name)))
-        given = [name for name in ("text", "dataset", "tokens") if getattr(self, name) is not None]
-        if len(given) != 1:
-            raise MlaconvError("give exactly one of --text FILE, --dataset NAME or --tokens FILE.jsonl"
-                               + (f" (got {', '.join('--' + name for name in given)})" if given else ""))
-
-    def describe(self) -> str:
-        if self.dataset is not None:
-            name, config, split = parse_dataset(self.dataset)
-            return f"dataset {name}{':' + config if config else ''}, split {split}"
-        return f"text {self.text}" if self.text is not None else f"token ids {self.tokens}"
-
-
-@dataclass
-class EvalTokens:
-    """Token ids to evaluate on: one sequence per text stream or per JSON line (each [length] int64)."""
-
-    sequences: list[torch.Tensor]
-    source: str
-    tokenizer: str | None  # "Class from folder", or None for pre-tokenized ids
-    short_sequences_are_windows: bool  # pre-tokenized lines shorter than the window are scored whole
 
 
 @dataclass
@@ -97,43 +59,6 @@ class _Models:
 
     def folders(self) -> dict[str, Path]:
         return {"model": self.model} | ({"baseline": self.baseline} if self.baseline else {})
-
-
-def load_eval_tokens(source: TokenSource, tokenizer_folders: Sequence[Path]) -> EvalTokens:
-    """Read ``source`` into ids; text is tokenized once with the first folder's tokenizer that exists.
-
-    Text goes through ``tokenizer(text)`` with its default special tokens, as GPTQ's loader does (for
-    Llama that is one BOS at the start of the stream, none per window).
-    """
-    if source.tokens is not None:
-        return EvalTokens(read_token_lines(source.tokens), source.describe(), None, short_sequences_are_windows=True)
-    text = read_text(source.text) if source.text is not None else load_dataset_text(source.dataset)
-    if not text.strip():
-        raise MlaconvError(f"{source.describe()} is empty: there is nothing to evaluate on")
-    for folder in tokenizer_folders:
-        tokenizer = load_tokenizer(folder)
-        if tokenizer is not None:
-            ids = tokenizer(text, verbose=False)["input_ids"]
-            return EvalTokens([torch.tensor(ids, dtype=torch.long)], source.describe(),
-                              f"{type(tokenizer).__name__} from {folder}", short_sequences_are_windows=False)
-    names = " nor ".join(str(folder) for folder in tokenizer_folders)
-    raise MlaconvError(f"{names} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json) to turn text into "
-                       "ids; evaluate on pre-tokenized ids instead (--tokens FILE.jsonl)")
-
-
-def cut_windows(sequences: Sequence[torch.Tensor], window: int, keep_short: bool = False) -> list[torch.Tensor]:
-    """Non-overlapping windows, in order: ``len // window`` full windows per sequence, remainder dropped;
-    with ``keep_short``, a sequence shorter than ``window`` (but at least 2 tokens) is one window of its own.
-
-    sequences: each [length] int64. Returns views, each [window] (or [length] for a short sequence).
-    """
-    windows: list[torch.Tensor] = []
-    for ids in sequences:
-        if len(ids) >= window:
-            windows.extend(ids[: len(ids) // window * window].split(window))
-        elif keep_short and len(ids) >= 2:
-            windows.append(ids)
-    return windows
 
 
 def score_windows(model, windows: Sequence[torch.Tensor], batch_size: int = 1, baseline=None,

@@ -13,7 +13,7 @@ import torch
 from mlaconv import deepseek
 from mlaconv.arch import QK_NORM_NEEDS_CALIBRATION, SourceSpec
 from mlaconv.errors import MlaconvError
-from mlaconv.evaluate import TokenSource
+from mlaconv.io.text import TokenSource
 from mlaconv.io import CheckpointReader, read_config, resolve_source
 from mlaconv.mla import rope
 from mlaconv.mla.attention import full_rank

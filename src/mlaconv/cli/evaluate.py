@@ -45,7 +45,8 @@ def perplexity(
     ({"model", "baseline"}), notes, seconds.
     """
     with handle_errors(debug, json_out):
-        from mlaconv.evaluate import TokenSource, evaluate_perplexity
+        from mlaconv.evaluate import evaluate_perplexity
+        from mlaconv.io.text import TokenSource
 
         source = TokenSource(text=text, dataset=dataset, tokens=tokens)
         with progress(quiet) as track:

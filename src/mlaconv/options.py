@@ -296,15 +296,15 @@ def _kv_cache_block(label: str, block) -> dict | None:
     if not isinstance(block, dict):
         raise MlaconvError(f"{label}: kv_cache must be a mapping")
     checked = {}
-    for group, fields in block.items():
+    for group, entries in block.items():
         if group not in KV_CACHE_KEYS:
             raise MlaconvError(f"{label}: unknown key kv_cache.{group!r} (known: {', '.join(KV_CACHE_KEYS)})")
-        if not isinstance(fields, dict):
+        if not isinstance(entries, dict):
             raise MlaconvError(f"{label}: kv_cache.{group} must be a mapping with {' and '.join(KV_CACHE_KEYS[group])}")
-        for name, value in fields.items():
+        for name, value in entries.items():
             if name not in KV_CACHE_KEYS[group]:
                 raise MlaconvError(f"{label}: unknown key kv_cache.{group}.{name!r} "
                                    f"(known: {', '.join(KV_CACHE_KEYS[group])})")
             _typed(label, f"kv_cache.{group}.{name}", value, (int,))
-        checked[group] = dict(fields)
+        checked[group] = dict(entries)
     return checked

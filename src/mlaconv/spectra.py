@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import csv
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 

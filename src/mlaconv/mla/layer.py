@@ -5,7 +5,7 @@ the statistics the conversion weighs by, and what it reports.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 

@@ -101,19 +101,7 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
     loaded together when they fit in the memory of ``device`` (or of all GPUs with ``device_map``);
     otherwise they run one after the other and KL / top-1 agreement are reported as None with a note.
 
-    Report keys: ``model``, ``baseline`` (None without one), ``data``, ``tokenizer`` ("Class from folder",
-    None for pre-tokenized ids), ``window`` (the setting), ``windows``, ``tokens`` (next-token predictions
-    scored), ``stream_tokens``, ``dropped_tokens`` (remainders cut off), ``dtype``, ``device``, ``ppl``,
-    ``nll`` (mean loss, nats) and their standard errors over windows ``ppl_stderr``, ``nll_stderr`` (None
-    with one window);
-    with a baseline also ``baseline_ppl``, ``baseline_ppl_stderr``, ``baseline_nll``,
-    ``baseline_nll_stderr``, ``drift`` (ppl / baseline_ppl − 1), ``nll_diff`` (mean NLL difference,
-    model − baseline), ``nll_diff_stderr`` and ``drift_stderr`` (paired, over windows), ``kl_per_token``
-    (KL(baseline ‖ model), nats), ``top1_agreement``, ``kv_kept``; always ``kv_elements_per_token`` and
-    ``kv_bytes_per_token`` (over all layers, at ``dtype``; ``{"model": …, "baseline": …}``), ``notes``,
-    ``seconds``; ``engine`` (whose computation the model's figures are: the transformers forward with that
-    engine's rewrites, ``mlaconv.engines``; the baseline always runs in transformers) and
-    ``engine_differences`` (what that engine changes; empty when it computes what transformers does).
+    The report's keys are listed in docs/report.md ("eval").
     """
     started = time.perf_counter()
     torch_dtype = _parse_options(window, max_windows, batch_size, dtype, device, device_map)

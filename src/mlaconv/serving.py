@@ -33,7 +33,7 @@ def serving_notes(spec: SourceSpec, config: dict, dropped_bias: list[str]) -> di
         warnings.append(
             "vLLM and SGLang drop kv_a_proj_with_mqa.bias and o_proj.bias (the shared RoPE key's bias and "
             "W_o·b_v from the source's value bias); transformers keeps them. The effect of dropping them is "
-            "measured in verify.biases_dropped."
+            "measured in verify.engines (vllm, sglang)."
         )
     if dropped_bias:
         warnings.append(

@@ -99,7 +99,7 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
 
     Calibration settings in ``options`` stream the source model exactly as ``convert`` does;
     ``stats_for_layer(i, src)`` instead supplies statistics directly (for tests and other callers).
-    Without either the spectra are weights-only. The keys are documented in ``mlaconv inspect spectra --help``.
+    Without either the spectra are weights-only. The keys are listed in docs/report.md ("spectra").
     """
     started = time.perf_counter()
     _check_targets(options.energy_targets)

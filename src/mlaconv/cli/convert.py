@@ -29,12 +29,7 @@ def convert(
 ) -> None:
     """Convert an MHA/GQA checkpoint into a native DeepSeek-V3 MLA checkpoint.
 
-    --json prints the report (also OUT/mlaconv.json). Among its keys: target {name, engines, biases_written,
-    biases_left_out, rope_rewrite (null, or {from, to, max_relative_frequency_gap, slots_differing, slots,
-    note}), note}; verify (transformers' max_abs_logit_diff, max_rel_logit_diff, kl, top1, dtype, windows,
-    tokens, loader) with verify.engines.{transformers, vllm, sglang, llamacpp}: each {same_as, reason} or
-    {refused} or its own max_abs_logit_diff, max_rel_logit_diff, kl, top1 and differences, and checked (the
-    engine version the emulation mirrors); eval (the keys of mlaconv eval perplexity, as transformers computes it).
+    --json prints the report (also OUT/mlaconv.json); its keys are listed in docs/report.md ("convert").
     """
     with handle_errors(debug, json_out):
         from mlaconv.conversion import convert as run_convert

@@ -36,13 +36,7 @@ def perplexity(
 ) -> None:
     """Perplexity as the papers measure it, side by side with the source: drift, KL, top-1 agreement, KV cache.
 
-    --json keys: model, baseline (null without one), data, tokenizer, window, windows, tokens (predictions
-    scored), stream_tokens, dropped_tokens, dtype, device, engine (whose computation MODEL's figures are; the
-    baseline always runs in transformers), engine_differences (what that engine changes relative to
-    transformers; [] when it computes the same), ppl, ppl_stderr, nll, nll_stderr; with a baseline also
-    baseline_ppl, baseline_ppl_stderr, baseline_nll, baseline_nll_stderr, drift, drift_stderr, nll_diff,
-    nll_diff_stderr, kl_per_token, top1_agreement, kv_kept; always kv_elements_per_token and kv_bytes_per_token
-    ({"model", "baseline"}), notes, seconds.
+    --json prints the report; its keys are listed in docs/report.md ("eval").
     """
     with handle_errors(debug, json_out):
         from mlaconv.evaluate import evaluate_perplexity

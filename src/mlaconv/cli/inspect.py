@@ -41,38 +41,9 @@ def spectra(
     it, the spectrum is in-sample; "shows" says which. Weights are read one
     layer at a time. --kv-keep adds its recommended rank to the ranks.
 
-    JSON keys (--json; "per rank" lists follow ranks, "per target" lists
-    follow energy_targets):
-      mlaconv_version, source, architecture, mode (weights-only|calibrated),
-      shows (what the figures are of, in words), window_sets (with --calib:
-      fit, select, audit window indices and a note; else null), settings, num_layers, hidden_size, num_kv_heads, head_dim,
-      kv_elements_per_token_per_layer, qk_rope_head_dim (R), rope_stride,
-      matrix_rows (2·n_kv·d), full_rank, ranks, energy_targets, seconds;
-      layers (one object per layer):
-        layer; energy_retained (per rank); rank_for_energy and
-        rank_fraction_for_energy (per target; fraction of full_rank);
-        rope_energy_kept, rope_loss_weighted_kept;
-        rope_energy_kept_per_frequency (per source frequency);
-        rope_frequencies (the kept source frequencies);
-        rope_score_loss, rope_score_loss_without_mean_rotation (what the
-        rotation the shared key drops costs the scores, as a fraction of
-        the query-weighted rotary key energy: with the mean-rotation
-        stand-in convert uses, and without it), rope_mean_rotation_recovers
-        (1 − their ratio), rope_score_loss_per_frequency (per source
-        frequency, with the stand-in; sums to rope_score_loss);
-        singular_values (√ of the eigenvalues, descending, full_rank of
-        them), normalised_spectrum (σᵢ/σ₁), energy_curve (at ranks
-        1..full_rank);
-      summary:
-        energy_retained_mean, energy_retained_min (per rank);
-        rank_for_energy_mean, rank_for_energy_max,
-        rank_fraction_for_energy_mean (per target);
-        rope_energy_kept_mean, rope_energy_kept_min, rope_score_loss_mean,
-        rope_score_loss_without_mean_rotation_mean;
-      recommendation (null without --kv-keep):
-        kv_keep, kv_lora_rank, qk_rope_head_dim,
-        kv_elements_per_token_per_layer, kv_keep_actual, reason,
-        energy_retained (per layer), energy_retained_mean.
+    --json prints the report; its keys are listed in docs/report.md
+    ("spectra"): "per rank" lists follow ranks, "per target" lists follow
+    energy_targets.
     """
     with handle_errors(debug, json_out):
         from mlaconv.spectra import SpectraOptions, check_output_file, spectra as run_spectra, write_csv

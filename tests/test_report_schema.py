@@ -1,0 +1,91 @@
+"""docs/report.md lists every key of every report, once: checked against real reports of the three commands."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlaconv import ConvertOptions, SpectraOptions, TokenSource, convert, evaluate_perplexity, inspect_spectra
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "report.md"
+HEADING = re.compile(r"^#+ `([\w.\[\]]+)`\s*$")
+ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+) \|")
+
+
+def documented() -> dict[str, dict[str, bool]]:
+    """Section → key → whether the key is marked *always* present."""
+    sections: dict[str, dict[str, bool]] = {}
+    current = None
+    for line in DOC.read_text(encoding="utf-8").splitlines():
+        if (heading := HEADING.match(line)):
+            current = sections.setdefault(heading.group(1), {})
+        elif current is not None and (row := ROW.match(line)):
+            current[row.group(1)] = row.group(2).strip() == "always"
+    return sections
+
+
+def check(section: str, report: dict) -> None:
+    keys = documented()[section]
+    assert set(report) <= set(keys), f"{section}: undocumented {sorted(set(report) - set(keys))}"
+    missing = [key for key, always in keys.items() if always and key not in report]
+    assert missing == [], f"{section}: documented as always present but missing"
+
+
+def test_the_parser_reads_the_document():
+    sections = documented()
+    assert {"convert", "convert.calibration", "spectra", "spectra.layers[]", "eval"} <= set(sections)
+    assert sections["convert"]["kv_keep"] is True and sections["convert"]["calibration"] is False
+    with pytest.raises(AssertionError, match="undocumented"):
+        check("convert.target", {"name": 1, "surprise": 2})
+
+
+def write_ids(path: Path, rows: int, length: int, vocab: int, seed: int) -> Path:
+    ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
+    path.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in ids.tolist()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    from conftest import make_model
+
+    tmp = tmp_path_factory.mktemp("schema")
+    src = make_model(tmp / "src", "qwen2", layers=2, head_dim=16)
+    calib = write_ids(tmp / "calib.jsonl", 20, 24, 96, seed=1)
+    ids = write_ids(tmp / "eval.jsonl", 4, 32, 96, seed=2)
+    converted = convert(str(src), tmp / "out", ConvertOptions(
+        kv_keep=0.5, calib=[str(calib)], calib_window=24, refine_steps=2, target="transformers",
+        eval_tokens=str(ids)))
+    spectra = inspect_spectra(str(src), SpectraOptions(kv_keep=0.5, calib=[str(calib)], calib_window=24))
+    return converted, spectra
+
+
+def test_convert_report_keys_are_documented(reports):
+    converted, _ = reports
+    assert converted["mode"] == "calibrated" and converted["shape_search"]["candidates"]
+    check("convert", converted)
+    for section in ("target", "shape_search", "calibration", "verify"):
+        check(f"convert.{section}", converted[section])
+    check("convert.calibration.whole_model", converted["calibration"]["whole_model"])
+    check("eval", converted["eval"])
+
+
+def test_spectra_report_keys_are_documented(reports):
+    _, spectra = reports
+    check("spectra", spectra)
+    check("spectra.summary", spectra["summary"])
+    check("spectra.recommendation", spectra["recommendation"])
+    for layer in spectra["layers"]:
+        check("spectra.layers[]", layer)
+
+
+def test_eval_report_keys_are_documented_without_a_baseline(reports, tmp_path):
+    converted, _ = reports
+    ids = write_ids(tmp_path / "ids.jsonl", 2, 32, 96, seed=3)
+    alone = evaluate_perplexity(converted["output"], source=TokenSource(tokens=ids))
+    assert alone["baseline"] is None
+    check("eval", alone)

@@ -40,8 +40,9 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 
-from mlaconv import calibrate, calibrated, conversion as convert_module, verify as verify_module  # noqa: E402
+from mlaconv import calibrate, calibrated, plan as plan_module, verify as verify_module  # noqa: E402
 from mlaconv.conversion import convert  # noqa: E402
+from mlaconv.io.layout import LayerWriter  # noqa: E402
 from mlaconv.options import ConvertOptions  # noqa: E402
 
 
@@ -93,7 +94,7 @@ def instrument(timer: Timer) -> None:
     streamer = calibrate.SourceStreamer
     timer.wrap(calibrated, "calibration_tokens", "tokens")
     timer.wrap(calibrated, "search_shapes", "search")
-    timer.wrap(convert_module, "rope_strides", "rope strides")
+    timer.wrap(plan_module, "rope_strides", "rope strides")
     timer.wrap(calibrated, "rope_strides", "rope strides")
     timer.wrap(streamer, "stats", "stats", layer_arg=1)
     timer.wrap(calibrated, "factor_attention", variant)
@@ -106,8 +107,8 @@ def instrument(timer: Timer) -> None:
     timer.wrap(calibrated, "refine", "refine")
     timer.wrap(streamer, "advance", "advance", layer_arg=1)
     timer.wrap(streamer, "agreement", "whole-model check")
-    for name in ("write_outer_tensors", "write_attention", "write_mlp_and_norm", "write_layer"):
-        timer.wrap(convert_module, name, "write")
+    for name in ("outer", "layer", "choose"):
+        timer.wrap(LayerWriter, name, "write")
     timer.wrap(verify_module, "verify", "verify")
 
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from mlaconv import calibrated  # noqa: E402
 from mlaconv.options import ConvertOptions  # noqa: E402
-from mlaconv.pipeline import read_attention  # noqa: E402
+from mlaconv.pipeline import source_layers  # noqa: E402
 from mlaconv.plan import plan_conversion, with_rope_stride  # noqa: E402
 from mlaconv.mla import refine as R  # noqa: E402
 from mlaconv.mla.attention import factor_attention  # noqa: E402
@@ -34,12 +34,8 @@ def main() -> None:
     plan = with_rope_stride(plan_conversion(str(MODELS / model), opts))
     tokens = calibrated.calibration_tokens(plan, opts)
     streamer = calibrated.calibration_streamer(plan, opts, tokens)
-    for i in range(layer_i):
-        src = read_attention(plan.reader, plan.spec, i)
-        streamer.stats(i, src)
-        streamer.advance(i, src)
-    src = read_attention(plan.reader, plan.spec, layer_i)
-    stats = streamer.stats(layer_i, src)
+    layer = next(layer for layer in source_layers(plan.reader, plan.spec, streamer) if layer.index == layer_i)
+    src, stats = layer.attention, layer.stats
     run = calibrated.layer_run(plan.spec, plan.layer, tokens.shape[1])
     latent, _ = factor_attention(src, plan.shape, calibrated.calibrated_layer_options(plan.layer), stats)
     train, select = streamer.refinement_data(layer_i, src, 16)

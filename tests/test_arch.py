@@ -294,6 +294,9 @@ LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "origi
     ({"rope_theta": 5e5, "rope_scaling": LLAMA3}, (5e5, LLAMA3)),
     ({"rope_parameters": {"rope_theta": 5e5, **LLAMA3}}, (5e5, LLAMA3)),  # transformers 5's layout
     ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}, (1e6, None)),
+    # the rotated share is not a scaling setting (it would make a DeepSeek target rotate part of its R dims)
+    ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
+     (1e4, {"rope_type": "linear", "factor": 2.0})),
 ])
 def test_rope_settings(config, expected):
     theta, scaling = rope_settings(config)

@@ -212,10 +212,14 @@ def decode_speed(path: Path, contexts: list[int], tokens: int, threads: int | No
             prompt = rng.integers(0, ids, n_ctx - tokens).tolist()
 
             def prefill() -> None:
+                began = time.perf_counter()
                 for start in range(0, len(prompt), n_batch):
                     chunk = prompt[start:start + n_batch]
                     decoder.decode([(t, start + j, 0) for j, t in enumerate(chunk)],
                                    logits_last=start + n_batch >= len(prompt))
+                    if (start // n_batch) % 4 == 3:  # progress, and what a prefill cut short had reached
+                        print(f"{path.name}: prefilled {start + len(chunk)} of {len(prompt)} in "
+                              f"{time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
 
             def steps(seqs: int) -> None:
                 for step in range(tokens):

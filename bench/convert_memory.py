@@ -152,7 +152,7 @@ def measure(command: list[str], cleanup: Path | None = None) -> dict:
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({process.returncode}): {stderr.decode(errors='replace')[-2000:]}")
-    return {"seconds": seconds, "peak_rss_bytes": usage.ru_maxrss * 1024}
+    return {"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_bytes": usage.ru_maxrss * 1024}
 
 
 # --- the memory model ------------------------------------------------------------------------------------
@@ -328,12 +328,12 @@ def report(source_bytes: int, results: dict, models: dict[str, dict[str, int]]) 
     print(f"source: synthetic {LLAMA_32_1B.name}, bf16, {source_bytes / GB:.2f} GB")
     copy = min(results[n]["seconds"] for n in ("copytree", "cp") if n in results) if (
         "copytree" in results or "cp" in results) else None
-    print(f"{'run':<12} {'wall s':>8} {'× copy':>7} {'peak RSS GB':>12}")
+    print(f"{'run':<12} {'wall s':>8} {'× copy':>7} {'peak RSS GB':>12} {'CPU s':>8}")
     for name in ("copytree", "cp", "convert", "calibrated", "refined", "runtime"):
         if name in results:
             r = results[name]
             ratio = f"{r['seconds'] / copy:.2f}" if copy else "-"
-            print(f"{name:<12} {r['seconds']:>8.2f} {ratio:>7} {r['peak_rss_bytes'] / GB:>12.2f}")
+            print(f"{name:<12} {r['seconds']:>8.2f} {ratio:>7} {r['peak_rss_bytes'] / GB:>12.2f} {r['cpu_seconds']:>8.1f}")
     for name in ("calibrated", "refined"):
         if "calibration" in results.get(name, {}):
             c = results[name]["calibration"]

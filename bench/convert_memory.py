@@ -10,6 +10,9 @@ peak RSS includes its parent's resident memory at the fork):
     cp -r      cp -r SRC DST
     convert    mlaconv convert SRC OUT --rank 512 --rope-dim 64 --no-verify
     calibrated the same with --calib 8×256 random token ids --calib-window 256 --refine-steps 0
+    refined    the same with --calib 32×256 random token ids --calib-window 256 and the default refinement
+               plan (32 windows: 16 fit, the most the refinement trains on, 8 select, 8 audit; on a CPU the
+               plan for this shape is the reduced one, steps of one window for about 30 min by estimate)
 
 and prints the per-stage memory model with what it predicts for this shape and for Llama-3-70B.
 
@@ -149,7 +152,7 @@ def measure(command: list[str], cleanup: Path | None = None) -> dict:
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({process.returncode}): {stderr.decode(errors='replace')[-2000:]}")
-    return {"seconds": seconds, "peak_rss_bytes": usage.ru_maxrss * 1024}
+    return {"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_bytes": usage.ru_maxrss * 1024}
 
 
 # --- the memory model ------------------------------------------------------------------------------------
@@ -234,7 +237,10 @@ def main() -> None:
     parser.add_argument("--rope-dim", type=int, default=64)
     parser.add_argument("--calib-windows", type=int, default=8)
     parser.add_argument("--calib-window", type=int, default=256)
-    parser.add_argument("--skip", default="", help="comma list of runs to skip: copytree,cp,convert,calibrated")
+    parser.add_argument("--refined-windows", type=int, default=32,
+                        help="calibration windows of the 'refined' run (32: 16 fit windows, the refinement's most)")
+    parser.add_argument("--skip", default="",
+                        help="comma list of runs to skip: copytree,cp,convert,calibrated,refined")
     parser.add_argument("--keep", action="store_true", help="keep the copies and outputs")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--generate", type=Path, help=argparse.SUPPRESS)  # internal: write the checkpoint, exit
@@ -258,6 +264,8 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, "--generate", str(source), "--source-shard-size",
                         str(args.source_shard_size)], check=True)
     make_calibration(calib, LLAMA_32_1B.vocab, args.calib_windows, args.calib_window)
+    refined_calib = work / "calib-refined.jsonl"
+    make_calibration(refined_calib, LLAMA_32_1B.vocab, args.refined_windows, args.calib_window)
     source_bytes = sum(p.stat().st_size for p in source.iterdir())
 
     mlaconv = [sys.executable, "-m", "mlaconv", "convert", str(source)]
@@ -270,6 +278,8 @@ def main() -> None:
         "calibrated": (mlaconv + [str(work / "out-calibrated")] + weights_only
                        + ["--calib", str(calib), "--calib-window", str(args.calib_window), "--refine-steps", "0"],
                        work / "out-calibrated"),
+        "refined": (mlaconv + [str(work / "out-refined")] + weights_only
+                    + ["--calib", str(refined_calib), "--calib-window", str(args.calib_window)], work / "out-refined"),
     }
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}
     results = {}
@@ -281,6 +291,13 @@ def main() -> None:
         trials = [measure(command, target) for _ in range(max(1, repeats))]
         results[name] = min(trials, key=lambda t: t["seconds"]) | {"all_seconds": [t["seconds"] for t in trials],
                                                                    "command": " ".join(command)}
+        report_file = target / "mlaconv.json"
+        if report_file.is_file():  # what the calibrated runs chose: window sets, refinement plan, written model
+            calibration = json.loads(report_file.read_text()).get("calibration") or {}
+            results[name]["calibration"] = {key: calibration.get(key) for key in (
+                "windows", "window", "refine_steps", "refine_batch", "refinement")} | {
+                "window_sets": {k: len(v) for k, v in (calibration.get("window_sets") or {}).items() if k != "note"},
+                "written": (calibration.get("whole_model") or {}).get("written")}
         if not args.keep and target.exists():
             shutil.rmtree(target)
     results["runtime"] = measure([sys.executable, "-c", "import mlaconv.cli.convert, mlaconv.conversion"])
@@ -313,12 +330,17 @@ def report(source_bytes: int, results: dict, models: dict[str, dict[str, int]]) 
     print(f"source: synthetic {LLAMA_32_1B.name}, bf16, {source_bytes / GB:.2f} GB")
     copy = min(results[n]["seconds"] for n in ("copytree", "cp") if n in results) if (
         "copytree" in results or "cp" in results) else None
-    print(f"{'run':<12} {'wall s':>8} {'× copy':>7} {'peak RSS GB':>12}")
-    for name in ("copytree", "cp", "convert", "calibrated", "runtime"):
+    print(f"{'run':<12} {'wall s':>8} {'× copy':>7} {'peak RSS GB':>12} {'CPU s':>8}")
+    for name in ("copytree", "cp", "convert", "calibrated", "refined", "runtime"):
         if name in results:
             r = results[name]
             ratio = f"{r['seconds'] / copy:.2f}" if copy else "-"
-            print(f"{name:<12} {r['seconds']:>8.2f} {ratio:>7} {r['peak_rss_bytes'] / GB:>12.2f}")
+            print(f"{name:<12} {r['seconds']:>8.2f} {ratio:>7} {r['peak_rss_bytes'] / GB:>12.2f} {r['cpu_seconds']:>8.1f}")
+    for name in ("calibrated", "refined"):
+        if "calibration" in results.get(name, {}):
+            c = results[name]["calibration"]
+            print(f"{name}: {c['windows']}×{c['window']} windows {c['window_sets']}; refinement {c['refine_steps']} "
+                  f"steps of {c['refine_batch']} ({c['refinement']}); written: {c['written']}")
     runtime = results["runtime"]["peak_rss_bytes"]
     print(f"\nmemory model: bytes held at once per stage (see memory_model), beyond the runtime of {runtime / GB:.2f} GB "
           f"measured above; c = {results['attention_factor']:.2f} float64 copies of the attention weights, measured")

@@ -8,16 +8,21 @@ the conversion by ``mlaconv export gguf``. Then, all in llama.cpp:
 - perplexity on token ids (stories260K: its bundled samples) in f32, q8_0 (gguf-py, via the export)
   and Q4_K_M (llama.cpp's own ``llama_model_quantize``), and for the conversion Q4_K_M also with
   ``attn_kv_a_mqa`` overridden to f32, next to transformers on the same ids;
-- decode tokens/s after a prompt of 1K / 4K / 16K tokens (batch 1), with the KV-cache MiB that
-  llama.cpp logs for that context (f16 cache, its default).
+- prefill time of a prompt of 1K / 4K / 16K tokens (minus the decode steps), measured once per context, then
+  decode tokens/s of that sequence alone (batch 1) and, at ``--parallel-contexts``, of ``--parallel``
+  sequences decoding together (llama.cpp's low-level ``llama_batch`` / ``llama_decode``, one token of every
+  sequence per call, each sequence in its own KV stream with the full context; the prompt's cache is copied
+  to the other sequences with ``llama_memory_seq_cp`` instead of being prefilled again), with the KV-cache
+  MiB that llama.cpp logs (f16 cache, its default; all sequences together) and wall and CPU seconds.
 
 Models (none downloaded): stories260K (bundled, real) converted at r = 16 and r = 24 (R = 8), and
 a random model with Llama-3.2-1B's layer shapes (hidden 2048, 32 heads, 8 KV heads, head_dim 64,
 MLP 8192, vocab 128256) but ``--layers`` layers (default 2) and no rope scaling (deepseek2 cannot
 run llama3 scaling), converted at the 512 + 64 recipe shape.
 
-    python bench/engines.py --json bench/_work/engines.json
-    python bench/engines.py --contexts 1024,4096,16384 --decode-tokens 16
+    python bench/engines.py --skip-speed --json bench/_work/engines.json            # perplexity table
+    python bench/engines.py --skip-quality --contexts 1024,4096 --decode-tokens 8   # speed, 4 sequences too
+    python bench/engines.py --skip-quality --contexts 16384 --parallel-contexts "" --decode-tokens 4
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -41,10 +48,11 @@ from mlaconv.options import ConvertOptions
 from mlaconv.conversion import convert  # noqa: E402
 from mlaconv.io.gguf import export_gguf  # noqa: E402
 from mlaconv.io.source import CheckpointReader, read_config  # noqa: E402
-from mlaconv.llamacpp import nll_sum, open_engine, perplexity, quantize  # noqa: E402
+from mlaconv.llamacpp import capture_log, nll_sum, perplexity, quantize  # noqa: E402
 from mlaconv.models import load_causal_lm  # noqa: E402
 
 STORIES = ROOT / "examples" / "stories260K"
+KV_LINE = re.compile(r"llama_kv_cache: size =\s*([0-9.]+) MiB")  # as mlaconv.llamacpp reads it
 
 
 def write_llama_gguf(folder: Path, path: Path) -> None:
@@ -124,22 +132,123 @@ def quality(label: str, source: Path, converted: Path, work: Path, windows) -> l
     return rows
 
 
-def decode_speed(path: Path, contexts: list[int], tokens: int, threads: int | None) -> list[dict]:
-    """Decode tokens/s after a prompt of each length, batch 1, f16 cache; prefill time too."""
+class Decoder:
+    """One GGUF in llama.cpp through its low-level API: ``llama_init_from_model`` with ``n_seq_max`` sequences,
+    each in its own KV stream of ``n_ctx`` / ``n_seq_max`` cells (not unified, llama.cpp's default), and
+    ``llama_batch_init`` / ``llama_decode`` with one token per (sequence, position). (llama-cpp-python's ``Llama``
+    does not pass ``n_seq_max`` on: it takes the keyword into ``**kwargs`` and keeps one sequence.)"""
+
+    def __init__(self, path: Path, n_ctx: int, sequences: int, n_batch: int, threads: int | None):
+        import llama_cpp
+
+        self.api = llama_cpp
+        threads = threads or max(os.cpu_count() // 2, 1)  # llama-cpp-python's default
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = n_ctx, n_batch, n_batch, sequences
+        params.n_threads = params.n_threads_batch = threads
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED  # llama-cpp-python's default
+        self.log: list[str] = []
+        with capture_log(self.log):
+            self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+            self.ctx = llama_cpp.llama_init_from_model(self.model, params) if self.model else None
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not load {path}: " + " ".join(self.log[-3:]))
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.capacity = max(n_batch, sequences)
+        self.batch = llama_cpp.llama_batch_init(self.capacity, 0, sequences)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.threads = threads
+
+    @property
+    def kv_cache_mib(self) -> float:
+        """The KV-cache size llama.cpp logged for this context, all sequences together."""
+        sizes = [float(m.group(1)) for line in self.log if (m := KV_LINE.search(line))]
+        if not sizes:
+            raise RuntimeError("llama.cpp did not log its KV-cache size")
+        return sum(sizes)
+
+    def decode(self, entries: list[tuple[int, int, int]], logits_last: bool = True) -> None:
+        """Decode ``entries`` (token, position, sequence) as one batch; logits for the last entry of each
+        sequence only when ``logits_last`` (what a sampler needs), then wait for the result."""
+        if len(entries) > self.capacity:
+            raise ValueError(f"{len(entries)} tokens in a batch of {self.capacity}")
+        last = {seq: i for i, (_, _, seq) in enumerate(entries)}
+        for i, (token, pos, seq) in enumerate(entries):
+            self.batch.token[i], self.batch.pos[i] = token, pos
+            self.batch.n_seq_id[i], self.batch.seq_id[i][0] = 1, seq
+            self.batch.logits[i] = logits_last and last[seq] == i
+        self.batch.n_tokens = len(entries)
+        status = self.api.llama_decode(self.ctx, self.batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status}")
+        self.api.llama_synchronize(self.ctx)
+
+    def close(self) -> None:
+        self.api.llama_batch_free(self.batch)
+        self.api.llama_free(self.ctx)
+        self.api.llama_model_free(self.model)
+
+
+def timed(work) -> tuple[float, float]:
+    """(wall s, this process's CPU s) of ``work()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    work()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def decode_speed(path: Path, contexts: list[int], tokens: int, threads: int | None, parallel: int,
+                 parallel_contexts: set[int], n_batch: int = 512) -> list[dict]:
+    """Per context length C: prefill C − ``tokens`` random ids into sequence 0 (timed once), decode ``tokens``
+    steps of sequence 0 alone (batch 1), then, where C is in ``parallel_contexts``, drop those steps, copy the
+    prompt's cache to ``parallel`` − 1 more sequences (each in its own KV stream, as if each had prefilled the
+    same prompt) and decode ``tokens`` steps of all ``parallel`` sequences together, one token of each per
+    ``llama_decode``. f16 cache (llama.cpp's default), no flash attention (llama-cpp-python's default).
+    The KV-cache MiB is llama.cpp's own log line, for all the context's sequences together."""
     rows = []
     rng = np.random.default_rng(0)
     for n_ctx in contexts:
-        prompt = rng.integers(0, 1000, n_ctx - tokens).tolist()
-        with open_engine(path, n_ctx=n_ctx, f32_cache=False, logits_all=False, threads=threads) as engine:
-            started = time.perf_counter()
-            engine.llm.eval(prompt)
-            prefill = time.perf_counter() - started
-            started = time.perf_counter()
-            for t in range(tokens):
-                engine.llm.eval([int(rng.integers(0, 1000))])
-            decode = time.perf_counter() - started
-            rows.append({"context": n_ctx, "kv_cache_MiB": engine.kv_cache_mib, "prefill_s": prefill,
-                         "decode_tokens_per_s": tokens / decode})
+        sequences = parallel if n_ctx in parallel_contexts else 1
+        decoder = Decoder(path, n_ctx * sequences, sequences, n_batch, threads)
+        try:
+            ids = min(1000, decoder.n_vocab)
+            prompt = rng.integers(0, ids, n_ctx - tokens).tolist()
+
+            def prefill() -> None:
+                began = time.perf_counter()
+                for start in range(0, len(prompt), n_batch):
+                    chunk = prompt[start:start + n_batch]
+                    decoder.decode([(t, start + j, 0) for j, t in enumerate(chunk)],
+                                   logits_last=start + n_batch >= len(prompt))
+                    if (start // n_batch) % 4 == 3:  # progress, and what a prefill cut short had reached
+                        print(f"{path.name}: prefilled {start + len(chunk)} of {len(prompt)} in "
+                              f"{time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+
+            def steps(seqs: int) -> None:
+                for step in range(tokens):
+                    decoder.decode([(int(rng.integers(0, ids)), len(prompt) + step, s) for s in range(seqs)])
+
+            prefill_s, prefill_cpu = timed(prefill)
+            one_s, one_cpu = timed(lambda: steps(1))
+            row = {"context": n_ctx, "sequences_allocated": sequences, "kv_cache_MiB": decoder.kv_cache_mib,
+                   "kv_cache_MiB_per_sequence": decoder.kv_cache_mib / sequences, "threads": decoder.threads,
+                   "prompt_tokens": len(prompt), "prefill_s": prefill_s, "prefill_cpu_s": prefill_cpu,
+                   "decode_tokens": tokens, "decode_tokens_per_s": tokens / one_s,
+                   "decode_tokens_per_cpu_s": tokens / one_cpu}
+            if sequences > 1:
+                api = decoder.api
+                if not api.llama_memory_seq_rm(decoder.memory, 0, len(prompt), -1):
+                    raise RuntimeError("llama.cpp could not drop the batch-1 decode steps")
+                for s in range(1, sequences):
+                    api.llama_memory_seq_cp(decoder.memory, 0, s, -1, -1)
+                if [api.llama_memory_seq_pos_max(decoder.memory, s) for s in range(sequences)] != [len(prompt) - 1] * sequences:
+                    raise RuntimeError("the prompt's cache did not reach every sequence")
+                many_s, many_cpu = timed(lambda: steps(sequences))
+                row |= {"parallel_sequences": sequences,
+                        "parallel_decode_tokens_per_s": sequences * tokens / many_s,
+                        "parallel_decode_tokens_per_cpu_s": sequences * tokens / many_cpu}
+        finally:
+            decoder.close()
+        rows.append(row)
     return rows
 
 
@@ -160,30 +269,42 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,4096")
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="llama.cpp threads (default: llama-cpp-python's, half the cores: 1 here)")
+    parser.add_argument("--parallel", type=int, default=4, help="sequences decoded together (speed table)")
+    parser.add_argument("--parallel-contexts", default="1024,4096",
+                        help="contexts at which the parallel sequences are measured too (each gets the full context)")
+    parser.add_argument("--models", default="src,mla", help="speed table: src, mla or both")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--rebuild", action="store_true",
+                        help="rebuild the speed table's model and GGUFs even if --work has them")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     windows = [json.loads(line)["input_ids"] for line in (STORIES / "samples.jsonl").read_text().splitlines()]
     results = {"quality": [], "speed": []}
-    for rank in (16, 24):
+    for rank in (16, 24) if not args.skip_quality else ():
         out = args.work / f"stories-r{rank}"
         convert(str(STORIES), out, ConvertOptions(rank=rank, verify=False, force=True))
         results["quality"] += quality(f"stories-r{rank}", STORIES, out, args.work, windows)
         for row in results["quality"][-10:]:
             print(json.dumps(row), flush=True)
     if not args.skip_speed:
-        src = args.work / "llama1b-shape"
-        if not (src / "config.json").is_file():
-            random_llama(src, args.layers)
-        mla = args.work / "llama1b-shape-mla"
-        convert(str(src), mla, ConvertOptions(rank=512, rope_dim=64, verify=False, force=True))
-        write_llama_gguf(src, args.work / "llama1b-src-f32.gguf")
-        export_gguf(mla, args.work / "llama1b-mla-f32.gguf", force=True)
+        src_gguf, mla_gguf = args.work / "llama1b-src-f32.gguf", args.work / "llama1b-mla-f32.gguf"
+        if args.rebuild or not (src_gguf.is_file() and mla_gguf.is_file()):
+            src = args.work / "llama1b-shape"
+            if args.rebuild or not (src / "config.json").is_file():
+                random_llama(src, args.layers)
+            mla = args.work / "llama1b-shape-mla"
+            convert(str(src), mla, ConvertOptions(rank=512, rope_dim=64, verify=False, force=True))
+            write_llama_gguf(src, src_gguf)
+            export_gguf(mla, mla_gguf, force=True)
         contexts = [int(c) for c in args.contexts.split(",")]
-        for which in ("src", "mla"):
-            for row in decode_speed(args.work / f"llama1b-{which}-f32.gguf", contexts, args.decode_tokens, args.threads):
+        parallel_contexts = {int(c) for c in args.parallel_contexts.split(",") if c}
+        for which in args.models.split(","):
+            for row in decode_speed(args.work / f"llama1b-{which}-f32.gguf", contexts, args.decode_tokens, args.threads,
+                                    args.parallel, parallel_contexts):
                 row["which"] = "source" if which == "src" else "converted"
                 results["speed"].append(row)
                 print(json.dumps(row), flush=True)

@@ -15,6 +15,11 @@ A method that refuses a model (weights-only on QK-norm) gives a row with the one
     python bench/fidelity.py                       # every model found, cuts 50/75/87.5%
     python bench/fidelity.py --models llama-docs --cuts 0.5 --methods mlaconv-c --refine-steps 0
     python bench/fidelity.py --models qwen3-docs --methods joint-svd,transmla,transmla-si,mlaconv-w,mlaconv-c
+    python bench/fidelity.py --models llama-docs --methods mlaconv-c --refine-steps 25 --reduced-plan
+
+``--reduced-plan`` runs ``--refine-steps N`` exactly as mlaconv's reduced CPU plan runs N steps (one window a
+step, one check on the select windows at the end, the plan's own learning rate ``REDUCED_REFINE_LR``);
+plain ``--refine-steps N`` runs at the default rate with back-off, checked every ``--refine-check-every``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import json
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -32,9 +38,9 @@ sys.path.insert(0, str(HERE))
 from baselines import convert_joint_svd, convert_transmla  # noqa: E402
 from eval_lib import CALIB_WINDOWS, WINDOW, calibration_file, calibration_ids, eval_source, fidelity  # noqa: E402
 
-from mlaconv.options import ConvertOptions
-
+from mlaconv import calibrated  # noqa: E402
 from mlaconv.conversion import convert  # noqa: E402
+from mlaconv.options import ConvertOptions  # noqa: E402
 from mlaconv.errors import MlaconvError  # noqa: E402
 
 MODELS = {
@@ -71,6 +77,18 @@ def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_step
             "refinement": calibration.get("refinement"), "whole_model": calibration.get("whole_model")}
 
 
+def use_reduced_rate(lr: float) -> None:
+    """Make ``--refine-steps`` run at ``lr`` (the reduced plan's rate) instead of the default's: mlaconv has no
+    option for the rate, so the plan ``convert`` asks for is wrapped here."""
+    planned = calibrated.refinement_plan
+
+    def plan_at_rate(*args, **kwargs):
+        refinement = planned(*args, **kwargs)
+        return replace(refinement, lr=lr, note=f"{refinement.note}, at the reduced plan's rate {lr:g}")
+
+    calibrated.refinement_plan = plan_at_rate
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
@@ -84,7 +102,14 @@ def main() -> None:
                         help="mlaconv-c: steps between held-out measurements with --refine-steps")
     parser.add_argument("--work", type=Path, default=HERE / "_work" / "fidelity", help="where checkpoints go")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    parser.add_argument("--reduced-plan", action="store_true",
+                        help="mlaconv-c: run --refine-steps N as the reduced CPU plan does (batch 1, one check, its rate)")
     args = parser.parse_args()
+    if args.reduced_plan:
+        if not args.refine_steps:
+            parser.error("--reduced-plan needs --refine-steps N (N > 0)")
+        args.refine_batch, args.refine_check_every = 1, args.refine_steps
+        use_reduced_rate(calibrated.REDUCED_REFINE_LR)
 
     rows = []
     for name in args.models.split(","):
@@ -109,14 +134,15 @@ def main() -> None:
                        **fidelity(source, out, eval_source(source))}
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-    print("| model | method | cut | r+R | PPL source → converted | drift | KL | top-1 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | method | cut | r+R | PPL source → converted | drift | KL | top-1 | written |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if "refused" in row:
             print(f"| {row['model']} | {row['method']} | {row['cut']:.1%} | refused: {row['refused']} |")
             continue
         print(f"| {row['model']} | {row['method']} | {row['cut']:.1%} | {row['r']}+{row['R']} | "
-              f"{row['ppl_source']:.2f} → {row['ppl']:.2f} | {row['drift']:+.1%} | {row['kl']:.4f} | {row['top1']:.3f} |")
+              f"{row['ppl_source']:.2f} → {row['ppl']:.2f} | {row['drift']:+.1%} | {row['kl']:.4f} | {row['top1']:.3f} | "
+              f"{(row.get('whole_model') or {}).get('written', '')} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -49,6 +49,7 @@ MODELS = {
     "qwen2-docs": HERE / "_work" / "models" / "qwen2-docs",
     "qwen3-docs": HERE / "_work" / "models" / "qwen3-docs",
     "qwen2-mha-docs": HERE / "_work" / "models" / "qwen2-mha-docs",  # MHA: 4 heads = 4 KV heads (issue 18)
+    "llama-mha-docs": HERE / "_work" / "models" / "llama-mha-docs",  # MHA, no biases (issue 18)
 }
 METHODS = ("joint-svd", "transmla", "mlaconv-w", "mlaconv-c")  # the default; transmla-si on request
 

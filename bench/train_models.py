@@ -4,6 +4,7 @@
     python bench/train_models.py qwen2              # → bench/_work/models/qwen2-docs
     python bench/train_models.py qwen3              # → bench/_work/models/qwen3-docs
     python bench/train_models.py qwen2-mha          # → bench/_work/models/qwen2-mha-docs
+    python bench/train_models.py llama-mha          # → bench/_work/models/llama-mha-docs
     python bench/train_models.py stories-calib      # → bench/_work/stories260K_calib.jsonl
     python bench/train_models.py heldout --out bench/_work/models/llama-docs   # rewrite calib.txt (below)
 
@@ -249,6 +250,10 @@ RECIPES = {
     # DeepSeek-V3's one shared rotary key stands in for every head's rotary part (issue 18).
     "qwen2-mha": Recipe("qwen2", hidden=256, layers=4, heads=4, kv_heads=4, head_dim=64, intermediate=640,
                         rms_norm_eps=1e-6),
+    # MHA Llama without biases (Llama-2-7B's layout: n_kv = n_heads, 64-dim heads, ε 1e-5): qwen2-mha's shape
+    # in the llama family (issue 18).
+    "llama-mha": Recipe("llama", hidden=256, layers=4, heads=4, kv_heads=4, head_dim=64, intermediate=640,
+                        rms_norm_eps=1e-5),
 }
 
 

@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -48,11 +47,10 @@ from mlaconv.options import ConvertOptions
 from mlaconv.conversion import convert  # noqa: E402
 from mlaconv.io.gguf import export_gguf  # noqa: E402
 from mlaconv.io.source import CheckpointReader, read_config  # noqa: E402
-from mlaconv.llamacpp import capture_log, nll_sum, perplexity, quantize  # noqa: E402
+from mlaconv.llamacpp import capture_log, kv_cache_mib, nll_sum, perplexity, quantize  # noqa: E402
 from mlaconv.models import load_causal_lm  # noqa: E402
 
 STORIES = ROOT / "examples" / "stories260K"
-KV_LINE = re.compile(r"llama_kv_cache: size =\s*([0-9.]+) MiB")  # as mlaconv.llamacpp reads it
 
 
 def write_llama_gguf(folder: Path, path: Path) -> None:
@@ -162,10 +160,7 @@ class Decoder:
     @property
     def kv_cache_mib(self) -> float:
         """The KV-cache size llama.cpp logged for this context, all sequences together."""
-        sizes = [float(m.group(1)) for line in self.log if (m := KV_LINE.search(line))]
-        if not sizes:
-            raise RuntimeError("llama.cpp did not log its KV-cache size")
-        return sum(sizes)
+        return kv_cache_mib(self.log)
 
     def decode(self, entries: list[tuple[int, int, int]], logits_last: bool = True) -> None:
         """Decode ``entries`` (token, position, sequence) as one batch; logits for the last entry of each

@@ -31,6 +31,14 @@ def _llama_cpp():
     return llama_cpp
 
 
+def kv_cache_mib(log: list[str]) -> float:
+    """The KV-cache size llama.cpp logged while loading a context ("llama_kv_cache: size = … MiB", summed)."""
+    sizes = [float(m.group(1)) for line in log if (m := _KV_LINE.search(line))]
+    if not sizes:
+        raise RuntimeError("llama.cpp did not log its KV-cache size")
+    return sum(sizes)
+
+
 @dataclass
 class Engine:
     """A loaded GGUF with one context; ``log`` holds llama.cpp's log lines from loading it."""
@@ -40,11 +48,8 @@ class Engine:
 
     @property
     def kv_cache_mib(self) -> float:
-        """The KV-cache size llama.cpp reports for this context ("llama_kv_cache: size = … MiB")."""
-        sizes = [float(m.group(1)) for line in self.log if (m := _KV_LINE.search(line))]
-        if not sizes:
-            raise RuntimeError("llama.cpp did not log its KV-cache size")
-        return sum(sizes)
+        """The KV-cache size llama.cpp reports for this context."""
+        return kv_cache_mib(self.log)
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Logits (len(tokens) × vocab, float64) of one sequence, from an empty cache."""

@@ -9,6 +9,8 @@ peak RSS includes its parent's resident memory at the fork):
     copytree   python -c 'shutil.copytree(SRC, DST)'
     cp -r      cp -r SRC DST
     convert    mlaconv convert SRC OUT --rank 512 --rope-dim 64 --no-verify
+    floor      the floor of any Python tool (issue 16): every source tensor read with safetensors' ``safe_open``,
+               and shards of the converted output's sizes written with ``safetensors.torch.save_file``
     calibrated the same with --calib 8×256 random token ids --calib-window 256 --refine-steps 0
     refined    the same with --calib 32×256 random token ids --calib-window 256 and the default refinement
                plan (32 windows: 16 fit, the most the refinement trains on, 8 select, 8 audit; on a CPU the
@@ -18,6 +20,7 @@ and prints the per-stage memory model with what it predicts for this shape and f
 
     python bench/convert_memory.py                 # default work folder bench/_work/convert_memory
     python bench/convert_memory.py --repeats 3 --json
+    OMP_NUM_THREADS=1 python bench/convert_memory.py --skip calibrated,refined   # convert against its floor
 """
 
 from __future__ import annotations
@@ -139,11 +142,53 @@ def _numel(dims: tuple[int, ...]) -> int:
     return n
 
 
+def shard_data_bytes(folder: Path) -> list[int]:
+    """The data bytes of each safetensors shard in ``folder``, from the headers alone (no torch here)."""
+    sizes = []
+    for shard in sorted(folder.glob("*.safetensors")):
+        with open(shard, "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        sizes.append(max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0))
+    return sizes
+
+
+def floor_copy(source: Path, out: Path, shard_bytes: list[int]) -> None:
+    """(In a child process.) Read every tensor of ``source`` with ``safe_open``, and write shards holding
+    ``shard_bytes`` bytes of data each with ``save_file``, one shard in memory at a time: the source tensors in
+    file order (the last one of a shard cut to fit, its rest starting the next), then zeros where the output is
+    larger than the source."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    def source_bytes():
+        for file in sorted(source.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    yield handle.get_tensor(name).reshape(-1).view(torch.uint8)
+        while True:
+            yield torch.zeros(2**28, dtype=torch.uint8)
+
+    stream, rest = source_bytes(), torch.empty(0, dtype=torch.uint8)
+    out.mkdir(parents=True)
+    for number, size in enumerate(shard_bytes, start=1):
+        parts, held = [], 0
+        while held < size:
+            if not rest.numel():
+                rest = next(stream)
+            take = min(size - held, rest.numel())
+            parts.append(rest[:take].clone() if take < rest.numel() else rest)
+            rest, held = rest[take:], held + take
+        save_file({f"t{i}": part for i, part in enumerate(parts)}, str(out / f"model-{number:05d}.safetensors"))
+        del parts
+
+
 def measure(command: list[str], cleanup: Path | None = None) -> dict:
     """Run ``command``; return wall seconds and the child's own peak RSS (os.wait4), after a clean sync."""
     if cleanup is not None and cleanup.exists():
         shutil.rmtree(cleanup)
     os.sync()  # earlier runs' dirty pages are not this run's work
+    load = Path("/proc/loadavg").read_text().split()[:3]  # the 2 cores are shared: what else ran
     started = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     stderr = process.stderr.read() if process.stderr else b""
@@ -152,7 +197,14 @@ def measure(command: list[str], cleanup: Path | None = None) -> dict:
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({process.returncode}): {stderr.decode(errors='replace')[-2000:]}")
-    return {"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_bytes": usage.ru_maxrss * 1024}
+    return {"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_bytes": usage.ru_maxrss * 1024,
+            "loadavg": load, "loadavg_after": Path("/proc/loadavg").read_text().split()[:3]}
+
+
+def fastest(trials: list[dict]) -> dict:
+    """The fastest trial, with every trial's wall seconds and load averages beside it."""
+    return min(trials, key=lambda t: t["seconds"]) | {"all_seconds": [t["seconds"] for t in trials],
+                                                       "all_loadavg": [t["loadavg"] for t in trials]}
 
 
 # --- the memory model ------------------------------------------------------------------------------------
@@ -240,12 +292,16 @@ def main() -> None:
     parser.add_argument("--refined-windows", type=int, default=32,
                         help="calibration windows of the 'refined' run (32: 16 fit windows, the refinement's most)")
     parser.add_argument("--skip", default="",
-                        help="comma list of runs to skip: copytree,cp,convert,calibrated,refined")
+                        help="comma list of runs to skip: copytree,cp,convert,floor,calibrated,refined")
     parser.add_argument("--keep", action="store_true", help="keep the copies and outputs")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--generate", type=Path, help=argparse.SUPPRESS)  # internal: write the checkpoint, exit
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # internal: one attention layer
+    parser.add_argument("--floor", nargs=3, help=argparse.SUPPRESS)  # internal: SRC OUT SIZES (comma list)
     args = parser.parse_args()
+    if args.floor:
+        floor_copy(Path(args.floor[0]), Path(args.floor[1]), [int(n) for n in args.floor[2].split(",")])
+        return
     if args.generate:
         make_checkpoint(args.generate, LLAMA_32_1B, int(args.source_shard_size * GB))
         return
@@ -282,15 +338,26 @@ def main() -> None:
                     + ["--calib", str(refined_calib), "--calib-window", str(args.calib_window)], work / "out-refined"),
     }
     skip = {name.strip() for name in args.skip.split(",") if name.strip()}
-    results = {}
+    results: dict = {}
+
+    def floor_trial(shard_bytes: list[int]) -> dict:
+        command = [sys.executable, __file__, "--floor", str(source), str(work / "floor"),
+                   ",".join(map(str, shard_bytes))]
+        return measure(command, work / "floor") | {"command": " ".join(command[:-1]) + " SIZES"}
+
+    floors: list[dict] = []
     for name, (command, target) in runs.items():
         if name in skip:
             continue
         print(f"running {name} …", file=sys.stderr)
         repeats = args.copy_repeats if name in ("copytree", "cp") else args.repeats
-        trials = [measure(command, target) for _ in range(max(1, repeats))]
-        results[name] = min(trials, key=lambda t: t["seconds"]) | {"all_seconds": [t["seconds"] for t in trials],
-                                                                   "command": " ".join(command)}
+        trials = []
+        for _ in range(max(1, repeats)):
+            trials.append(measure(command, target))
+            if name == "convert" and "floor" not in skip:  # in turn with convert, writing its output's shard sizes
+                print("running floor …", file=sys.stderr)
+                floors.append(floor_trial(shard_data_bytes(target)))
+        results[name] = fastest(trials) | {"command": " ".join(command)}
         report_file = target / "mlaconv.json"
         if report_file.is_file():  # what the calibrated runs chose: window sets, refinement plan, written model
             calibration = json.loads(report_file.read_text()).get("calibration") or {}
@@ -300,6 +367,11 @@ def main() -> None:
                 "written": (calibration.get("whole_model") or {}).get("written")}
         if not args.keep and target.exists():
             shutil.rmtree(target)
+    if "floor" not in skip and not floors:  # no convert run: the source's own shard sizes
+        floors = [floor_trial(shard_data_bytes(source)) for _ in range(max(1, args.repeats))]
+    if floors:
+        results["floor"] = fastest(floors)
+        shutil.rmtree(work / "floor", ignore_errors=True)
     results["runtime"] = measure([sys.executable, "-c", "import mlaconv.cli.convert, mlaconv.conversion"])
     probe = subprocess.run([sys.executable, __file__, "--probe", "--rank", str(args.rank), "--rope-dim",
                             str(args.rope_dim)], check=True, capture_output=True, text=True)
@@ -318,6 +390,8 @@ def main() -> None:
         f"{LLAMA_3_70B.name}, calibrated with the defaults (32×2048)": memory_model(LLAMA_3_70B, 512, 64, factor,
                                                                                       32, 2048),
     }
+    if "convert" in results and "floor" in results:
+        results["convert_over_floor"] = results["convert"]["seconds"] / results["floor"]["seconds"]
     if args.json:
         print(json.dumps({"source_bytes": source_bytes, "results": results,
                           "memory_model": {name: stages | {"peak": max(stages.values())}
@@ -330,12 +404,18 @@ def report(source_bytes: int, results: dict, models: dict[str, dict[str, int]]) 
     print(f"source: synthetic {LLAMA_32_1B.name}, bf16, {source_bytes / GB:.2f} GB")
     copy = min(results[n]["seconds"] for n in ("copytree", "cp") if n in results) if (
         "copytree" in results or "cp" in results) else None
-    print(f"{'run':<12} {'wall s':>8} {'× copy':>7} {'peak RSS GB':>12} {'CPU s':>8}")
-    for name in ("copytree", "cp", "convert", "calibrated", "refined", "runtime"):
+    print(f"{'run':<12} {'wall s':>8} {'× copy':>7} {'peak RSS GB':>12} {'CPU s':>8}  load average (1, 5, 15 min)")
+    for name in ("copytree", "cp", "convert", "floor", "calibrated", "refined", "runtime"):
         if name in results:
             r = results[name]
             ratio = f"{r['seconds'] / copy:.2f}" if copy else "-"
-            print(f"{name:<12} {r['seconds']:>8.2f} {ratio:>7} {r['peak_rss_bytes'] / GB:>12.2f} {r['cpu_seconds']:>8.1f}")
+            print(f"{name:<12} {r['seconds']:>8.2f} {ratio:>7} {r['peak_rss_bytes'] / GB:>12.2f} {r['cpu_seconds']:>8.1f}"
+                  f"  {' '.join(r['loadavg'])}")
+    if "convert" in results and "floor" in results:
+        c, f = results["convert"], results["floor"]
+        print(f"convert / floor: {c['seconds'] / f['seconds']:.2f}× wall (fastest of {len(c['all_seconds'])} each: "
+              f"convert {', '.join(f'{t:.1f}' for t in c['all_seconds'])} s, floor "
+              f"{', '.join(f'{t:.1f}' for t in f['all_seconds'])} s), {c['cpu_seconds'] / f['cpu_seconds']:.2f}× CPU")
     for name in ("calibrated", "refined"):
         if "calibration" in results.get(name, {}):
             c = results[name]["calibration"]

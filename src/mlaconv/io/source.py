@@ -247,14 +247,17 @@ def read_safetensors_header(path: Path) -> dict[str, _Entry]:
 
 
 def _read_tensor(entry: _Entry, name: str) -> torch.Tensor:
-    if not entry.nbytes:
-        return torch.empty(entry.shape, dtype=entry.dtype)
-    buffer = bytearray(entry.nbytes)
-    with open(entry.path, "rb") as handle:
+    """One tensor read straight into an uninitialised buffer (no zero fill, no copy)."""
+    data = torch.empty(entry.nbytes, dtype=torch.uint8)
+    view, done = memoryview(data.numpy()), 0
+    with open(entry.path, "rb", buffering=0) as handle:
         handle.seek(entry.offset)
-        if handle.readinto(buffer) != entry.nbytes:
-            raise MlaconvError(f"{entry.path} ended inside tensor {name} (was it truncated while mlaconv ran?)")
-    return torch.frombuffer(buffer, dtype=entry.dtype).reshape(entry.shape)
+        while done < entry.nbytes:  # one read returns at most ~2 GiB on Linux
+            count = handle.readinto(view[done:])
+            if not count:
+                raise MlaconvError(f"{entry.path} ended inside tensor {name} (was it truncated while mlaconv ran?)")
+            done += count
+    return data.view(entry.dtype).reshape(entry.shape)
 
 
 def _element_size(dtype: torch.dtype) -> int:

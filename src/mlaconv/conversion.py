@@ -28,6 +28,8 @@ from mlaconv.progress import Progress, no_progress
 from mlaconv.report import conversion_report
 from mlaconv.targets import target_report
 
+WRITE_AHEAD_BYTES = 256 * 2**20  # tensors waiting for the writer's thread, at most (or one larger tensor)
+
 
 class LayerStep(Protocol):
     """What the layer pass plugs in: each layer's converted attention, one version or several to choose from."""
@@ -85,15 +87,17 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     attention_bias = bool(spec.qkv_bias or spec.o_bias) and plan.layer.biases
 
     with atomic_output_dir(out, force=options.force) as tmp:
-        writer = ShardedWriter(tmp, options.shard_size)  # writes each tensor as it is added
-        output = LayerWriter(writer, reader, spec, plan.layer.residual_scale, dtype, attention_bias, tmp / ".pending")
-        output.outer()
-        for layer in source_layers(reader, spec, streamer, progress, "converting layers"):
-            output.layer(layer.index, step(layer))
-        chosen = step.finish(progress)
-        if chosen is not None:
-            output.choose(chosen)
-        writer.finish()
+        # its own thread writes each tensor while the next ones are computed (stopped before tmp is removed)
+        with ShardedWriter(tmp, options.shard_size, write_ahead=WRITE_AHEAD_BYTES) as writer:
+            output = LayerWriter(writer, reader, spec, plan.layer.residual_scale, dtype, attention_bias,
+                                 tmp / ".pending")
+            output.outer()
+            for layer in source_layers(reader, spec, streamer, progress, "converting layers"):
+                output.layer(layer.index, step(layer))
+            chosen = step.finish(progress)
+            if chosen is not None:
+                output.choose(chosen)
+            writer.finish()
         reader.close()
 
         config, rope_rewrite = output_config(spec, plan.shapes, plan.layer.rope_stride, options.target, attention_bias,

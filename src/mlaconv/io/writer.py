@@ -4,7 +4,8 @@
 the block completes; on any failure (Ctrl-C and SIGTERM included) the temporary folder is removed,
 and temporaries left by a killed run are swept at the next run (``atomic_output_file`` does the
 same for a single file, a GGUF export). ``ShardedWriter`` streams tensors
-into shards of at most ``max_shard_bytes`` and writes ``model.safetensors.index.json``.
+into shards of at most ``max_shard_bytes`` and writes ``model.safetensors.index.json``; with ``write_ahead``
+it writes on a thread of its own while the caller computes the next tensors.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import json
 import os
 import shutil
 import signal
+import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import torch
 
@@ -152,6 +154,69 @@ def atomic_output_file(out: Path, force: bool = False) -> Iterator[Path]:
         os.replace(tmp, out)
 
 
+class _WriteAhead:
+    """One thread that runs write jobs in order, holding at most ``limit`` bytes of tensors that wait (a
+    larger tensor waits alone). The first error is raised in the caller at its next ``submit`` or ``join``."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._jobs: list[tuple[Callable[[], None], int]] = []
+        self._waiting = 0  # bytes of the jobs not yet done, the running one included
+        self._error: BaseException | None = None
+        self._stop = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="mlaconv-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None], nbytes: int) -> None:
+        with self._changed:
+            while self._error is None and self._waiting and self._waiting + nbytes > self.limit:
+                self._changed.wait()
+            self._raise()
+            self._jobs.append((job, nbytes))
+            self._waiting += nbytes
+            self._changed.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every job submitted so far is done."""
+        with self._changed:
+            while self._error is None and self._waiting:
+                self._changed.wait()
+            self._raise()
+
+    def stop(self) -> None:
+        """Drop the jobs not started, wait for the running one, end the thread."""
+        with self._changed:
+            self._stop = True
+            self._jobs.clear()
+            self._changed.notify_all()
+        self._thread.join()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._jobs and not self._stop:
+                    self._changed.wait()
+                if self._stop:
+                    return
+                job, nbytes = self._jobs.pop(0)
+            try:
+                job()
+            except BaseException as exc:  # handed to the caller
+                with self._changed:
+                    self._error, self._stop = exc, True
+                    self._changed.notify_all()
+                return
+            del job  # the tensor goes as soon as it is written
+            with self._changed:
+                self._waiting -= nbytes
+                self._changed.notify_all()
+
+
 class ShardedWriter:
     """Stream tensors into safetensors shards of at most ``max_shard_bytes`` and index them.
 
@@ -160,9 +225,15 @@ class ShardedWriter:
     (padded with spaces, as safetensors does) when the shard closes; a header that outgrows the
     reserve moves the shard's data once. Names follow Hugging Face:
     ``model-00001-of-00003.safetensors`` plus ``model.safetensors.index.json`` (even for one shard).
+
+    With ``write_ahead`` > 0 a thread of its own writes the tensors in order while the caller goes on: ``add``
+    then keeps the tensor until it is written (the caller must not change it), holding at most ``write_ahead``
+    bytes that wait (or one larger tensor). Use it as a context manager: leaving the block on an error stops the
+    thread before the caller removes the folder. The output is the same byte for byte either way.
     """
 
-    def __init__(self, folder: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES, header_reserve: int = HEADER_RESERVE):
+    def __init__(self, folder: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES, header_reserve: int = HEADER_RESERVE,
+                 write_ahead: int = 0):
         if max_shard_bytes <= 0:
             raise MlaconvError("the shard size must be positive")
         self.folder = Path(folder)
@@ -174,9 +245,19 @@ class ShardedWriter:
         self._shards: list[list[str]] = []
         self._names: set[str] = set()
         self._total_bytes = 0
+        self._ahead = _WriteAhead(write_ahead) if write_ahead > 0 else None
+
+    def __enter__(self) -> "ShardedWriter":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()
+        if self._file is not None:
+            self._file.close()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Write ``tensor`` to the current shard now (the caller may reuse or change it afterwards)."""
+        """Write ``tensor`` to the current shard (now, or in order on the writer's thread with ``write_ahead``)."""
         if name in self._names:
             raise ValueError(f"tensor {name} written twice")
         if tensor.dtype not in _DTYPE_NAMES:
@@ -189,18 +270,29 @@ class ShardedWriter:
             self._file = open(self._partial(len(self._shards) + 1), "wb")
             self._file.seek(8 + self.header_reserve)
         if size:
-            self._file.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            self._write(self._file, tensor, size)
         self._entries[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
                                "data_offsets": [self._data_bytes, self._data_bytes + size]}
         self._data_bytes += size
         self._names.add(name)
         self._total_bytes += size
 
+    def _write(self, file: BinaryIO, tensor: torch.Tensor, size: int) -> None:
+        def job() -> None:
+            file.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+
+        if self._ahead is None:
+            job()
+        else:
+            self._ahead.submit(job, size)
+
     def _partial(self, number: int) -> Path:
         return self.folder / f"model-{number:05d}.partial.safetensors"
 
     def _close_shard(self) -> None:
         assert self._file is not None
+        if self._ahead is not None:
+            self._ahead.drain()
         header = json.dumps({"__metadata__": {"format": "pt"}, **self._entries}, separators=(",", ":")).encode()
         if len(header) <= self.header_reserve:
             self._file.seek(0)
@@ -227,6 +319,9 @@ class ShardedWriter:
         """Close the last shard, give shards their final names, write and return the index."""
         if self._file is not None:
             self._close_shard()
+        if self._ahead is not None:
+            self._ahead.stop()
+            self._ahead = None
         count = len(self._shards)
         weight_map: dict[str, str] = {}
         for number, names in enumerate(self._shards, start=1):

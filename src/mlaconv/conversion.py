@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Protocol
 
 from mlaconv.errors import MlaconvError
 from mlaconv.evaluate import evaluate_perplexity
 from mlaconv.io import ShardedWriter, atomic_output_dir, check_free_space, check_output_target
+from mlaconv.io.heap import heap_reuse
 from mlaconv.io.layout import LayerWriter, copy_tokenizer
 from mlaconv.mla.attention import convert_attention
 from mlaconv.mla.layer import LayerReport, MLAAttention
@@ -86,9 +88,11 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
                        WeightsOnly(plan))
     attention_bias = bool(spec.qkv_bias or spec.o_bias) and plan.layer.biases
 
+    # weights only: freed memory reused (io.heap); not calibrated, whose peak is close to its 1.5 GB goal already
+    heap = heap_reuse() if streamer is None else nullcontext()
     with atomic_output_dir(out, force=options.force) as tmp:
         # its own thread writes each tensor while the next ones are computed (stopped before tmp is removed)
-        with ShardedWriter(tmp, options.shard_size, write_ahead=WRITE_AHEAD_BYTES) as writer:
+        with heap, ShardedWriter(tmp, options.shard_size, write_ahead=WRITE_AHEAD_BYTES) as writer:
             output = LayerWriter(writer, reader, spec, plan.layer.residual_scale, dtype, attention_bias,
                                  tmp / ".pending")
             output.outer()

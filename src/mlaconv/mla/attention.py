@@ -69,29 +69,27 @@ def attention_row_weights(q_nope: torch.Tensor, o: torch.Tensor, shape: Attentio
 
 
 def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, options: LayerOptions,
-                  q_nope: torch.Tensor, o: torch.Tensor, shape: AttentionShape):
+                  q: torch.Tensor, o: torch.Tensor, shape: AttentionShape):
     """The stacked target [K_nope; V] and the row weights that choose its latent basis (step 2).
 
-    Row weights are a vector (diagonal) for "balanced", a block-diagonal matrix for "attention";
-    either way the K and V blocks are scaled to equal weighted energy.
+    Row weights are a vector (diagonal) for "balanced", a block-diagonal matrix for "attention" (from the NoPE
+    query of the source query rows ``q``); either way the K and V blocks are scaled to equal weighted energy.
     """
     target = torch.cat([k_nope, v], dim=0)
     if options.latent_weighting == "attention":
-        key_root, value_root = attention_row_weights(q_nope, o, shape, stats.metric)
+        key_root, value_root = attention_row_weights(nope_query(q, shape, stats), o, shape, stats.metric)
         key_weight, value_weight = torch.block_diag(*key_root), torch.block_diag(*value_root)
-    else:
-        key_weight = torch.eye(k_nope.shape[0], dtype=target.dtype)
-        value_weight = torch.eye(v.shape[0], dtype=target.dtype)
-    nk, nv = block_norm(key_weight @ k_nope, stats.metric), block_norm(value_weight @ v, stats.metric)
+        nk, nv = block_norm(key_weight @ k_nope, stats.metric), block_norm(value_weight @ v, stats.metric)
+    else:  # identity weights (I·x is x exactly, so no product is formed)
+        nk, nv = block_norm(k_nope, stats.metric), block_norm(v, stats.metric)
     # A block with (numerically) no energy, e.g. MQA keys that all stay rotated, is not blown up:
     # it is scaled like the other block.
     scale = max(nk, nv, 1e-300)
     nk, nv = (nk if nk > 1e-9 * scale else scale), (nv if nv > 1e-9 * scale else scale)
-    key_weight = key_weight / nk
-    value_weight = value_weight / nv
     if options.latent_weighting == "attention":
-        return target, torch.block_diag(key_weight, value_weight)
-    return target, torch.cat([key_weight.diagonal(), value_weight.diagonal()])
+        return target, torch.block_diag(key_weight / nk, value_weight / nv)
+    ones = torch.ones(k_nope.shape[0] + v.shape[0], dtype=target.dtype)
+    return target, torch.cat([ones[: k_nope.shape[0]] / nk, ones[k_nope.shape[0]:] / nv])
 
 
 @dataclass
@@ -116,7 +114,7 @@ def analyse_layer(src: SourceAttention, shape: AttentionShape, options: LayerOpt
     src = src.cast(dtype=torch.float64)
     stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)
     mix, choice, plain_kept, shared, k_nope = decompose_keys(src.k, src.q, shape, stats, options, src.rotated)
-    target, row_weight = latent_target(k_nope, src.v, stats, options, nope_query(src.q, shape, stats), src.o, shape)
+    target, row_weight = latent_target(k_nope, src.v, stats, options, src.q, src.o, shape)
     spec = latent_math.spectrum(latent_math.weigh(row_weight, target), stats.metric)
     return LayerAnalysis(mix, choice, plain_kept, shared, k_nope, target, row_weight, spec)
 
@@ -271,7 +269,8 @@ def scale_input(mla: MLAAttention, rank: int, metric: torch.Tensor) -> MLAAttent
     hidden = mla.input_norm.shape[0]
     input_rms = math.sqrt(max((metric.diagonal() if metric.dim() == 2 else metric).sum().item(), 0.0) / hidden)
     s = input_scale(mla.kv_a_proj[:rank], [mla.q_proj, mla.kv_a_proj], input_rms)
-    return replace(mla, q_proj=mla.q_proj / s, kv_a_proj=mla.kv_a_proj / s, input_norm=mla.input_norm * s)
+    # q_proj and kv_a are assemble's own fresh tensors: divided in place, no second copy of q_proj
+    return replace(mla, q_proj=mla.q_proj.div_(s), kv_a_proj=mla.kv_a_proj.div_(s), input_norm=mla.input_norm * s)
 
 
 def convert_attention(src: SourceAttention, shape: AttentionShape, options: LayerOptions,

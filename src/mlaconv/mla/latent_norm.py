@@ -74,7 +74,7 @@ def input_scale(latent_rows: torch.Tensor, readers: list[torch.Tensor], input_rm
     if weight_rms == 0.0 or input_rms == 0.0:
         return 1.0
     exponent = round(0.5 * math.log2(weight_rms / input_rms))
-    largest = max(t.abs().max().item() for t in readers)
+    largest = max(max(-low.item(), high.item()) for low, high in map(torch.aminmax, readers))  # no |t| copy
     if largest > 0:
         exponent = max(exponent, math.ceil(math.log2(largest / max_entry)))
     return 2.0 ** min(exponent, 0)

@@ -9,10 +9,15 @@ puts each tensor in its shard file as it is added, and the output folder appears
 from __future__ import annotations
 
 import json
+import os
 import time
-from contextlib import nullcontext
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing, nullcontext
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
+
+import torch
 
 from mlaconv.errors import MlaconvError
 from mlaconv.evaluate import evaluate_perplexity
@@ -20,7 +25,7 @@ from mlaconv.io import ShardedWriter, atomic_output_dir, check_free_space, check
 from mlaconv.io.heap import heap_reuse
 from mlaconv.io.layout import LayerWriter, copy_tokenizer
 from mlaconv.mla.attention import convert_attention
-from mlaconv.mla.layer import LayerReport, MLAAttention
+from mlaconv.mla.layer import LayerReport, MLAAttention, SourceAttention
 from mlaconv.model_card import write_model_card
 from mlaconv.options import ConvertOptions
 from mlaconv.pipeline import SourceLayer, source_layers
@@ -30,7 +35,7 @@ from mlaconv.progress import Progress, no_progress
 from mlaconv.report import conversion_report
 from mlaconv.targets import target_report
 
-WRITE_AHEAD_BYTES = 256 * 2**20  # tensors waiting for the writer's thread, at most (or one larger tensor)
+WRITE_AHEAD_BYTES = 64 * 2**20  # tensors waiting for the writer's thread, at most (or one larger tensor)
 
 
 class LayerStep(Protocol):
@@ -47,13 +52,42 @@ class LayerStep(Protocol):
 
 
 class WeightsOnly:
-    """Each layer converted from its weights alone (``convert_attention``)."""
+    """Each layer converted from its weights alone (``convert_attention``), cast to the output dtype at once.
 
-    def __init__(self, plan: Plan):
-        self.plan, self._reports = plan, []
+    ``ahead`` factors the next layers on ``workers`` threads while the caller writes one: torch's operators release
+    the GIL, so with one-thread operators (``OMP_NUM_THREADS=1``) two layers use two cores, and every operator runs
+    as it would alone (the same bytes).
+    """
+
+    def __init__(self, plan: Plan, dtype: torch.dtype | None = None, workers: int = 1):
+        self.plan, self.dtype, self.workers, self._reports = plan, dtype, workers, []
 
     def __call__(self, layer: SourceLayer) -> dict[str, MLAAttention]:
-        mla, report = convert_attention(layer.attention, self.plan.shape, self.plan.layer)
+        return self._collect(self._convert(layer.attention))
+
+    def ahead(self, layers: Iterable[SourceLayer]) -> Iterator[tuple[int, dict[str, MLAAttention]]]:
+        """(index, models) of every layer in order. The weights are read here, in order (the reader and a fused
+        tensor's cache stay on one thread); only the arithmetic runs on the threads."""
+        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="mlaconv-layer")
+        waiting: deque[tuple[int, Future]] = deque()
+        try:
+            for layer in layers:
+                waiting.append((layer.index, pool.submit(self._convert, layer.attention)))
+                if len(waiting) > self.workers:  # one layer more than the threads: the next waits read
+                    index, future = waiting.popleft()
+                    yield index, self._collect(future.result())
+            while waiting:
+                index, future = waiting.popleft()
+                yield index, self._collect(future.result())
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _convert(self, attention: SourceAttention) -> tuple[MLAAttention, LayerReport]:
+        mla, report = convert_attention(attention, self.plan.shape, self.plan.layer)
+        return (mla if self.dtype is None else mla.cast(dtype=self.dtype)), report
+
+    def _collect(self, converted: tuple[MLAAttention, LayerReport]) -> dict[str, MLAAttention]:
+        mla, report = converted
         self._reports.append(report)
         return {"weights-only": mla}
 
@@ -63,6 +97,12 @@ class WeightsOnly:
     @property
     def reports(self) -> list[LayerReport]:
         return self._reports
+
+
+def layer_workers() -> int:
+    """Layers factored at once in a weights-only conversion: two when each operator runs on one thread and there
+    are two cores, else one (then the threads of each operator use the cores)."""
+    return 2 if torch.get_num_threads() == 1 and (os.cpu_count() or 1) > 1 else 1
 
 
 def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = no_progress) -> dict:
@@ -85,7 +125,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         refinement = calibrated.refinement_plan(plan, options, streamer)
     plan = with_rope_stride(plan, progress)
     step: LayerStep = (calibrated.CalibratedSteps(plan, options, streamer, refinement) if streamer else
-                       WeightsOnly(plan))
+                       WeightsOnly(plan, dtype, layer_workers()))
     attention_bias = bool(spec.qkv_bias or spec.o_bias) and plan.layer.biases
 
     # weights only: freed memory reused (io.heap); not calibrated, whose peak is close to its 1.5 GB goal already
@@ -96,8 +136,12 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             output = LayerWriter(writer, reader, spec, plan.layer.residual_scale, dtype, attention_bias,
                                  tmp / ".pending")
             output.outer()
-            for layer in source_layers(reader, spec, streamer, progress, "converting layers"):
-                output.layer(layer.index, step(layer))
+            layers = source_layers(reader, spec, streamer, progress, "converting layers")
+            converted = (step.ahead(layers) if isinstance(step, WeightsOnly) else
+                         ((layer.index, step(layer)) for layer in layers))
+            with closing(converted):  # on an error, the layer threads end before the folder goes
+                for index, models in converted:
+                    output.layer(index, models)
             chosen = step.finish(progress)
             if chosen is not None:
                 output.choose(chosen)

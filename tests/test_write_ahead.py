@@ -1,0 +1,119 @@
+"""Weights-only speed (issue 16): the writer's own thread and the layers factored on two threads change no byte,
+hold bounded memory, and keep the guarantees of issue 7 (one-line errors, nothing left behind, interrupts)."""
+
+from __future__ import annotations
+
+import errno
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import make_model
+from mlaconv import conversion
+from mlaconv.io import ShardedWriter
+from mlaconv.io.writer import _WriteAhead
+from test_robustness import MLACONV, RANK, _wait_for_writing, assert_refused, cli, hashes, leftovers
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    tensors = {f"t{i}": torch.randn(3 + i, 5, generator=torch.Generator().manual_seed(i)).to(dtype)
+               for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float64] * 3)}
+    return tensors | {"empty": torch.zeros(0, 4), "flag": torch.tensor([True, False])}
+
+
+@pytest.mark.parametrize("reserve", [8, 2**16])
+@pytest.mark.parametrize("write_ahead", [1, 100, 2**20])
+def test_the_write_ahead_writer_writes_the_same_bytes(tmp_path, reserve, write_ahead):
+    """Shards of 200 bytes (closed often, the header moved or not): the same files as writing at once."""
+    outputs = {}
+    for name, ahead in (("at-once", 0), ("ahead", write_ahead)):
+        (tmp_path / name).mkdir()
+        with ShardedWriter(tmp_path / name, max_shard_bytes=200, header_reserve=reserve, write_ahead=ahead) as writer:
+            for tensor_name, tensor in _tensors().items():
+                writer.add(tensor_name, tensor)
+            index = writer.finish()
+        outputs[name] = hashes(tmp_path / name)
+    assert outputs["ahead"] == outputs["at-once"] and len(outputs["ahead"]) > 3
+    read = {n: t for shard in (tmp_path / "ahead").glob("*.safetensors") for n, t in load_file(shard).items()}
+    assert read.keys() == index["weight_map"].keys() == _tensors().keys()
+    assert all(torch.equal(read[n], t) for n, t in _tensors().items())
+
+
+def test_at_most_the_limit_waits_and_a_larger_tensor_waits_alone():
+    ahead = _WriteAhead(limit=100)
+    release, done = threading.Event(), []
+    ahead.submit(lambda: release.wait(10), 60)  # running, holding 60 bytes
+    ahead.submit(lambda: done.append("small"), 40)  # 100 in all: still within the limit
+    blocked = threading.Thread(target=ahead.submit, args=(lambda: done.append("large"), 500))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive() and done == []  # 600 bytes would wait: the caller waits instead
+    release.set()
+    blocked.join(10)
+    ahead.drain()
+    assert not blocked.is_alive() and done == ["small", "large"]
+    ahead.stop()
+
+
+def test_an_error_on_the_writer_thread_reaches_the_caller_and_stops_the_jobs():
+    ahead, done = _WriteAhead(limit=2**20), []
+
+    def full():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    ahead.submit(full, 10)
+    with pytest.raises(OSError, match="No space left"):
+        ahead.drain()
+    with pytest.raises(OSError, match="No space left"):
+        ahead.submit(lambda: done.append(1), 10)
+    ahead.stop()
+    assert done == []
+
+
+def test_a_disk_that_fills_up_on_the_writer_thread(tmp_path, monkeypatch):
+    """ENOSPC raised by the writer's thread (not by ``add``): one line, nothing written, no temporary, no thread."""
+    src = make_model(tmp_path / "src", heads=4, kv_heads=2, hidden=32, head_dim=16, layers=4)
+    submit, jobs = _WriteAhead.submit, []
+
+    def failing(self, job, nbytes):
+        jobs.append(job)
+        if len(jobs) == 7:
+            def job():
+                raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out"))
+        submit(self, job, nbytes)
+
+    monkeypatch.setattr(_WriteAhead, "submit", failing)
+    before = hashes(src)
+    line = assert_refused(cli(src, tmp_path / "out", *RANK), tmp_path / "out", src, before, "No space left on device")
+    assert line.endswith(f"; nothing was written to {tmp_path / 'out'}") and len(jobs) >= 7
+    assert not [t for t in threading.enumerate() if t.name.startswith(("mlaconv-writer", "mlaconv-layer"))]
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_layers_factored_on_threads_give_the_same_bytes(tmp_path, monkeypatch, workers):
+    src = make_model(tmp_path / "src", heads=4, kv_heads=2, hidden=32, head_dim=16, layers=5, dtype=torch.bfloat16)
+    outputs = {}
+    for count in (1, workers):
+        monkeypatch.setattr(conversion, "layer_workers", lambda count=count: count)
+        assert cli(src, tmp_path / "out", *RANK, "--force").exit_code == 0  # one path: the report names it
+        outputs[count] = hashes(tmp_path / "out")
+    assert outputs[workers] == outputs[1]
+
+
+def test_sigterm_while_the_writer_thread_writes_removes_the_temporary_folder(tmp_path):
+    """One shard (the default size): the writer's thread is busy when SIGTERM comes."""
+    src = make_model(tmp_path / "slow", heads=4, kv_heads=2, hidden=32, head_dim=16, layers=96)
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, "-c", MLACONV, "convert", str(src), str(out), *RANK],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    temporary = _wait_for_writing(process, out)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted: nothing was written to the output" in stderr
+    assert not temporary.exists() and not out.exists() and leftovers(out) == []

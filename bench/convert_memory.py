@@ -202,8 +202,9 @@ def measure(command: list[str], cleanup: Path | None = None) -> dict:
 
 
 def fastest(trials: list[dict]) -> dict:
-    """The fastest trial, with every trial's wall seconds and load averages beside it."""
+    """The fastest trial, with every trial's wall seconds, peak RSS and load averages beside it."""
     return min(trials, key=lambda t: t["seconds"]) | {"all_seconds": [t["seconds"] for t in trials],
+                                                       "all_peak_rss_bytes": [t["peak_rss_bytes"] for t in trials],
                                                        "all_loadavg": [t["loadavg"] for t in trials]}
 
 
@@ -415,7 +416,8 @@ def report(source_bytes: int, results: dict, models: dict[str, dict[str, int]]) 
         c, f = results["convert"], results["floor"]
         print(f"convert / floor: {c['seconds'] / f['seconds']:.2f}× wall (fastest of {len(c['all_seconds'])} each: "
               f"convert {', '.join(f'{t:.1f}' for t in c['all_seconds'])} s, floor "
-              f"{', '.join(f'{t:.1f}' for t in f['all_seconds'])} s), {c['cpu_seconds'] / f['cpu_seconds']:.2f}× CPU")
+              f"{', '.join(f'{t:.1f}' for t in f['all_seconds'])} s), {c['cpu_seconds'] / f['cpu_seconds']:.2f}× CPU; "
+              f"convert's peak RSS in every trial: {', '.join(f'{b / GB:.2f}' for b in c['all_peak_rss_bytes'])} GB")
     for name in ("calibrated", "refined"):
         if "calibration" in results.get(name, {}):
             c = results[name]["calibration"]

@@ -99,10 +99,26 @@ def test_layers_factored_on_threads_give_the_same_bytes(tmp_path, monkeypatch, w
     src = make_model(tmp_path / "src", heads=4, kv_heads=2, hidden=32, head_dim=16, layers=5, dtype=torch.bfloat16)
     outputs = {}
     for count in (1, workers):
-        monkeypatch.setattr(conversion, "layer_workers", lambda count=count: count)
+        monkeypatch.setattr(conversion, "layer_workers", lambda plan, count=count: count)
         assert cli(src, tmp_path / "out", *RANK, "--force").exit_code == 0  # one path: the report names it
         outputs[count] = hashes(tmp_path / "out")
     assert outputs[workers] == outputs[1]
+
+
+def test_two_layers_at_once_only_with_one_thread_operators_and_a_small_layer(monkeypatch):
+    from types import SimpleNamespace
+
+    from mlaconv.mla.layer import AttentionShape
+
+    def plan(hidden, heads, kv_heads, head_dim):
+        return SimpleNamespace(shape=AttentionShape(hidden, heads, kv_heads, head_dim))
+
+    monkeypatch.setattr(conversion.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert conversion.layer_workers(plan(2048, 32, 8, 64)) == 2  # Llama-3.2-1B
+    assert conversion.layer_workers(plan(8192, 64, 8, 128)) == 1  # Llama-3-70B: 6 GB a layer
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert conversion.layer_workers(plan(2048, 32, 8, 64)) == 1
 
 
 def test_sigterm_while_the_writer_thread_writes_removes_the_temporary_folder(tmp_path):

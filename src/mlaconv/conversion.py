@@ -35,7 +35,8 @@ from mlaconv.progress import Progress, no_progress
 from mlaconv.report import conversion_report
 from mlaconv.targets import target_report
 
-WRITE_AHEAD_BYTES = 64 * 2**20  # tensors waiting for the writer's thread, at most (or one larger tensor)
+WRITE_AHEAD_BYTES = 64 * 2**20  # weights only: tensors waiting for the writer's thread, at most (or one larger)
+LAYER_MEMORY = 2**30  # weights only: a second layer is factored at once only below this working set
 
 
 class LayerStep(Protocol):
@@ -99,10 +100,15 @@ class WeightsOnly:
         return self._reports
 
 
-def layer_workers() -> int:
-    """Layers factored at once in a weights-only conversion: two when each operator runs on one thread and there
-    are two cores, else one (then the threads of each operator use the cores)."""
-    return 2 if torch.get_num_threads() == 1 and (os.cpu_count() or 1) > 1 else 1
+def layer_workers(plan: Plan) -> int:
+    """Layers factored at once in a weights-only conversion: two when each operator runs on one thread, there are
+    two cores, and one layer's float64 working set (about five copies of its attention weights; 0.4 GB for
+    Llama-3.2-1B, 6 GB for Llama-3-70B) is under ``LAYER_MEMORY``; else one (then the threads of each operator use
+    the cores)."""
+    s = plan.shape
+    working_set = 5 * 8 * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * s.hidden
+    alone = torch.get_num_threads() > 1 or (os.cpu_count() or 1) < 2 or working_set > LAYER_MEMORY
+    return 1 if alone else 2
 
 
 def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = no_progress) -> dict:
@@ -125,14 +131,15 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         refinement = calibrated.refinement_plan(plan, options, streamer)
     plan = with_rope_stride(plan, progress)
     step: LayerStep = (calibrated.CalibratedSteps(plan, options, streamer, refinement) if streamer else
-                       WeightsOnly(plan, dtype, layer_workers()))
+                       WeightsOnly(plan, dtype, layer_workers(plan)))
     attention_bias = bool(spec.qkv_bias or spec.o_bias) and plan.layer.biases
 
-    # weights only: freed memory reused (io.heap); not calibrated, whose peak is close to its 1.5 GB goal already
+    # Weights only: freed memory reused (io.heap), and the writer's own thread writes each tensor while the next
+    # ones are computed (stopped before tmp is removed). Not calibrated, whose peak is close to its 1.5 GB goal.
     heap = heap_reuse() if streamer is None else nullcontext()
+    write_ahead = WRITE_AHEAD_BYTES if streamer is None else 0
     with atomic_output_dir(out, force=options.force) as tmp:
-        # its own thread writes each tensor while the next ones are computed (stopped before tmp is removed)
-        with heap, ShardedWriter(tmp, options.shard_size, write_ahead=WRITE_AHEAD_BYTES) as writer:
+        with heap, ShardedWriter(tmp, options.shard_size, write_ahead=write_ahead) as writer:
             output = LayerWriter(writer, reader, spec, plan.layer.residual_scale, dtype, attention_bias,
                                  tmp / ".pending")
             output.outer()

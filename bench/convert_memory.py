@@ -236,16 +236,23 @@ def _hwm() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+WRITE_AHEAD = 64 * 2**20  # mlaconv.conversion.WRITE_AHEAD_BYTES
+LAYER_MEMORY = 2**30  # mlaconv.conversion.LAYER_MEMORY
+
+
 def memory_model(shape: Shape, rank: int, rope_dim: int, attention_factor: float, calib_windows: int = 0,
                  calib_window: int = 0, calib_batch: int = 4, source_bytes: int = 2) -> dict[str, int]:
     """Bytes held at once in each stage of ``mlaconv convert`` (runtime excluded; output dtype = source dtype).
 
-    embeddings  V·H·b: the source matrix, rescaled in place (a tied head is written from it first; an untied
-                one is read and written before it)
-    attention   (q+k+v+o)·b for the source tensors, plus c·(q+k+v+o)·8: the float64 working copies and
-                products of convert_attention, c measured on one layer of the shape (``--probe``)
-    mlp         F·H·b: one matrix at a time, rescaled in place
-    writer      0: every tensor goes to its shard file when it is added (no pending shard)
+    Weights only (with OMP_NUM_THREADS=1, as this script runs it):
+    embeddings  2·V·H·b: the head (a tied one is the raw embedding) waits for the writer's thread while the
+                embedding is read and rescaled in place
+    attention   L·[(q+k+v+o)·b + c·(q+k+v+o)·8] + W: L layers factored at once (2 where a layer's float64 working
+                set 5·(q+k+v+o)·8 is under 1 GiB, else 1), each its source tensors and the float64 working copies
+                and products of convert_attention, c measured on one layer of the shape (``--probe``); W = 64 MiB
+                of tensors waiting for the writer's thread
+    mlp         F·H·b + W: one matrix at a time, rescaled in place, beside what waits for the writer
+    Calibrated: embeddings V·H·b, attention L = 1 and mlp F·H·b, all without W (the writer writes as tensors come)
     calibration adds B·S·H·4 (the hidden states of all windows) + 2·A·S·H·4 (the closed-form and refined models'
                 hidden states on the A = min(8, max(1, B/4)) audit windows) + 2·H²·8 (E[xxᵀ] of the fit and the
                 audit windows) to every stage; the per-layer
@@ -260,10 +267,12 @@ def memory_model(shape: Shape, rank: int, rope_dim: int, attention_factor: float
     H, N, K, d, F, V = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, shape.vocab
     attention = 2 * N * d * H + 2 * K * d * H
     mla = N * (d + rope_dim) * H + (rank + rope_dim) * H + N * 2 * d * rank + H * N * d
+    at_once = 2 if not calib_windows and 5 * attention * 8 <= LAYER_MEMORY else 1
+    ahead = 0 if calib_windows else WRITE_AHEAD
     stages = {
-        "embeddings": V * H * source_bytes,
-        "attention": attention * source_bytes + int(attention_factor * attention * 8),
-        "mlp": F * H * source_bytes,
+        "embeddings": (1 if calib_windows else 2) * V * H * source_bytes,
+        "attention": at_once * (attention * source_bytes + int(attention_factor * attention * 8)) + ahead,
+        "mlp": F * H * source_bytes + ahead,
     }
     if calib_windows:
         B, S, b = calib_windows, calib_window, min(calib_batch, calib_windows)

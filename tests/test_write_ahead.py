@@ -4,6 +4,7 @@ hold bounded memory, and keep the guarantees of issue 7 (one-line errors, nothin
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import subprocess
 import sys
@@ -88,6 +89,7 @@ def test_a_disk_that_fills_up_on_the_writer_thread(tmp_path, monkeypatch):
         submit(self, job, nbytes)
 
     monkeypatch.setattr(_WriteAhead, "submit", failing)
+    monkeypatch.setattr(conversion, "spare_core", lambda: True)  # the writer's thread, whatever torch's threads
     before = hashes(src)
     line = assert_refused(cli(src, tmp_path / "out", *RANK), tmp_path / "out", src, before, "No space left on device")
     assert line.endswith(f"; nothing was written to {tmp_path / 'out'}") and len(jobs) >= 7
@@ -118,7 +120,16 @@ def test_two_layers_at_once_only_with_one_thread_operators_and_a_small_layer(mon
     assert conversion.layer_workers(plan(2048, 32, 8, 64)) == 2  # Llama-3.2-1B
     assert conversion.layer_workers(plan(8192, 64, 8, 128)) == 1  # Llama-3-70B: 6 GB a layer
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert conversion.layer_workers(plan(2048, 32, 8, 64)) == 1
+    assert conversion.layer_workers(plan(2048, 32, 8, 64)) == 1 and not conversion.spare_core()
+
+
+def test_without_a_spare_core_the_conversion_writes_as_before(tmp_path, monkeypatch):
+    """Two-thread operators: no writer's thread, no layer threads (they would contend with the operators')."""
+    src = make_model(tmp_path / "src", heads=4, kv_heads=2, hidden=32, head_dim=16)
+    monkeypatch.setattr(conversion, "spare_core", lambda: False)
+    started = []
+    monkeypatch.setattr(_WriteAhead, "__init__", lambda self, limit: started.append(limit))
+    assert cli(src, tmp_path / "out", *RANK).exit_code == 0 and started == []
 
 
 def test_sigterm_while_the_writer_thread_writes_removes_the_temporary_folder(tmp_path):
@@ -126,7 +137,8 @@ def test_sigterm_while_the_writer_thread_writes_removes_the_temporary_folder(tmp
     src = make_model(tmp_path / "slow", heads=4, kv_heads=2, hidden=32, head_dim=16, layers=96)
     out = tmp_path / "out"
     process = subprocess.Popen([sys.executable, "-c", MLACONV, "convert", str(src), str(out), *RANK],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=os.environ | {"OMP_NUM_THREADS": "1"})  # one-thread operators: the threads run
     temporary = _wait_for_writing(process, out)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)

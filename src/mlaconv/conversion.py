@@ -35,7 +35,7 @@ from mlaconv.progress import Progress, no_progress
 from mlaconv.report import conversion_report
 from mlaconv.targets import target_report
 
-WRITE_AHEAD_BYTES = 64 * 2**20  # weights only: tensors waiting for the writer's thread, at most (or one larger)
+WRITE_AHEAD_BYTES = 64 * 2**20  # tensors waiting for the writer's thread, at most (or one larger)
 LAYER_MEMORY = 2**30  # weights only: a second layer is factored at once only below this working set
 
 
@@ -100,15 +100,22 @@ class WeightsOnly:
         return self._reports
 
 
+def spare_core() -> bool:
+    """Whether torch runs each operator on one thread on a machine with more cores: only then are threads of the
+    conversion's own (the writer's, a second layer's) used. Beside torch's default two threads on 2 cores they
+    contend with the operators' threads; a weights-only Llama-3.2-1B-shaped conversion took 182 s one thing at a
+    time and 360 s with the writer's thread while another job ran on both cores (one pair of runs), 20–23 s and
+    18.5–20.5 s at load 1.9 (two pairs): too little gain for that risk."""
+    return torch.get_num_threads() == 1 and (os.cpu_count() or 1) > 1
+
+
 def layer_workers(plan: Plan) -> int:
-    """Layers factored at once in a weights-only conversion: two when each operator runs on one thread, there are
-    two cores, and one layer's float64 working set (about five copies of its attention weights; 0.4 GB for
-    Llama-3.2-1B, 6 GB for Llama-3-70B) is under ``LAYER_MEMORY``; else one (then the threads of each operator use
-    the cores)."""
+    """Layers factored at once in a weights-only conversion: two with a ``spare_core`` where one layer's float64
+    working set (about five copies of its attention weights; 0.4 GB for Llama-3.2-1B, 6 GB for Llama-3-70B) is
+    under ``LAYER_MEMORY``, else one."""
     s = plan.shape
     working_set = 5 * 8 * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * s.hidden
-    alone = torch.get_num_threads() > 1 or (os.cpu_count() or 1) < 2 or working_set > LAYER_MEMORY
-    return 1 if alone else 2
+    return 2 if spare_core() and working_set <= LAYER_MEMORY else 1
 
 
 def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = no_progress) -> dict:
@@ -134,17 +141,20 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
                        WeightsOnly(plan, dtype, layer_workers(plan)))
     attention_bias = bool(spec.qkv_bias or spec.o_bias) and plan.layer.biases
 
-    # Weights only: freed memory reused (io.heap), and the writer's own thread writes each tensor while the next
-    # ones are computed (stopped before tmp is removed). Not calibrated, whose peak is close to its 1.5 GB goal.
-    heap = heap_reuse() if streamer is None else nullcontext()
-    write_ahead = WRITE_AHEAD_BYTES if streamer is None else 0
+    # Weights only with a spare core: freed memory reused (io.heap), and the writer's own thread writes each tensor
+    # while the next ones are computed (stopped before tmp is removed). Not calibrated, whose peak is close to its
+    # 1.5 GB goal.
+    threads = streamer is None and spare_core()
+    heap = heap_reuse() if threads else nullcontext()
+    write_ahead = WRITE_AHEAD_BYTES if threads else 0
     with atomic_output_dir(out, force=options.force) as tmp:
         with heap, ShardedWriter(tmp, options.shard_size, write_ahead=write_ahead) as writer:
             output = LayerWriter(writer, reader, spec, plan.layer.residual_scale, dtype, attention_bias,
                                  tmp / ".pending")
             output.outer()
             layers = source_layers(reader, spec, streamer, progress, "converting layers")
-            converted = (step.ahead(layers) if isinstance(step, WeightsOnly) else
+            # one layer at a time unless two run at once: an interrupt then waits for one operator, not a layer
+            converted = (step.ahead(layers) if isinstance(step, WeightsOnly) and step.workers > 1 else
                          ((layer.index, step(layer)) for layer in layers))
             with closing(converted):  # on an error, the layer threads end before the folder goes
                 for index, models in converted:

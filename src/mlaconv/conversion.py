@@ -3,7 +3,9 @@
 One pass over the source (``pipeline.source_layers``) feeds each layer to a conversion step (``WeightsOnly``, or
 ``calibrated.CalibratedSteps``) and the step's output to the ``LayerWriter``. Memory: one source tensor group (a
 layer's attention or MLP) is in memory at a time, plus the calibration activations when calibrated; the writer
-puts each tensor in its shard file as it is added, and the output folder appears only when complete.
+puts each tensor in its shard file as it is added, and the output folder appears only when complete. Weights only
+with one-thread operators and a spare core (``spare_core``), two layers are factored at once and the writer's own
+thread writes while they are (up to ``WRITE_AHEAD_BYTES`` waiting): the same bytes, sooner.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ peak RSS includes its parent's resident memory at the fork):
     copytree   python -c 'shutil.copytree(SRC, DST)'
     cp -r      cp -r SRC DST
     convert    mlaconv convert SRC OUT --rank 512 --rope-dim 64 --no-verify
-    floor      the floor of any Python tool (issue 16): every source tensor read with safetensors' ``safe_open``,
-               and shards of the converted output's sizes written with ``safetensors.torch.save_file``
+    floor      bench/io_floor.py (issue 16): the source read with safetensors, the output's shard sizes written
     calibrated the same with --calib 8×256 random token ids --calib-window 256 --refine-steps 0
     refined    the same with --calib 32×256 random token ids --calib-window 256 and the default refinement
                plan (32 windows: 16 fit, the most the refinement trains on, 8 select, 8 audit; on a CPU the
@@ -36,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from io_floor import shard_data_bytes  # noqa: E402  (no torch imported: this driver stays small)
 GB = 10**9
 PROFILE_SCORES = 2**25  # mlaconv.reference.attention_by_distance's max_scores
 
@@ -140,47 +141,6 @@ def _numel(dims: tuple[int, ...]) -> int:
     for s in dims:
         n *= s
     return n
-
-
-def shard_data_bytes(folder: Path) -> list[int]:
-    """The data bytes of each safetensors shard in ``folder``, from the headers alone (no torch here)."""
-    sizes = []
-    for shard in sorted(folder.glob("*.safetensors")):
-        with open(shard, "rb") as handle:
-            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-        sizes.append(max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0))
-    return sizes
-
-
-def floor_copy(source: Path, out: Path, shard_bytes: list[int]) -> None:
-    """(In a child process.) Read every tensor of ``source`` with ``safe_open``, and write shards holding
-    ``shard_bytes`` bytes of data each with ``save_file``, one shard in memory at a time: the source tensors in
-    file order (the last one of a shard cut to fit, its rest starting the next), then zeros where the output is
-    larger than the source."""
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    def source_bytes():
-        for file in sorted(source.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
-                    yield handle.get_tensor(name).reshape(-1).view(torch.uint8)
-        while True:
-            yield torch.zeros(2**28, dtype=torch.uint8)
-
-    stream, rest = source_bytes(), torch.empty(0, dtype=torch.uint8)
-    out.mkdir(parents=True)
-    for number, size in enumerate(shard_bytes, start=1):
-        parts, held = [], 0
-        while held < size:
-            if not rest.numel():
-                rest = next(stream)
-            take = min(size - held, rest.numel())
-            parts.append(rest[:take].clone() if take < rest.numel() else rest)
-            rest, held = rest[take:], held + take
-        save_file({f"t{i}": part for i, part in enumerate(parts)}, str(out / f"model-{number:05d}.safetensors"))
-        del parts
 
 
 def measure(command: list[str], cleanup: Path | None = None) -> dict:
@@ -307,11 +267,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--generate", type=Path, help=argparse.SUPPRESS)  # internal: write the checkpoint, exit
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # internal: one attention layer
-    parser.add_argument("--floor", nargs=3, help=argparse.SUPPRESS)  # internal: SRC OUT SIZES (comma list)
     args = parser.parse_args()
-    if args.floor:
-        floor_copy(Path(args.floor[0]), Path(args.floor[1]), [int(n) for n in args.floor[2].split(",")])
-        return
     if args.generate:
         make_checkpoint(args.generate, LLAMA_32_1B, int(args.source_shard_size * GB))
         return
@@ -351,7 +307,7 @@ def main() -> None:
     results: dict = {}
 
     def floor_trial(shard_bytes: list[int]) -> dict:
-        command = [sys.executable, __file__, "--floor", str(source), str(work / "floor"),
+        command = [sys.executable, str(ROOT / "io_floor.py"), str(source), str(work / "floor"),
                    ",".join(map(str, shard_bytes))]
         return measure(command, work / "floor") | {"command": " ".join(command[:-1]) + " SIZES"}
 

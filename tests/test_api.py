@@ -8,14 +8,13 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import mlaconv
+from conftest import ROOT
 from mlaconv.errors import MlaconvError
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_public_names_are_the_library_functions():

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from conftest import ROOT
 from mlaconv.cli import app
 from mlaconv.cli.inspect import spectra as spectra_command
 from mlaconv.calibrated import calibrated_layer_options
@@ -312,7 +313,7 @@ def stories_report(stories):
 def test_json_has_the_documented_keys(stories_report):
     check_schema(json.loads(json.dumps(stories_report)))
     assert "docs/report.md" in spectra_command.__doc__  # where the help sends the reader for the keys
-    documented = (Path(__file__).resolve().parents[1] / "docs" / "report.md").read_text(encoding="utf-8")
+    documented = (ROOT / "docs" / "report.md").read_text(encoding="utf-8")
     for key in [*TOP_KEYS, *LAYER_KEYS, *SUMMARY_KEYS, *RECOMMENDATION_KEYS]:
         assert f"| `{key}` |" in documented, f"{key} is not documented in docs/report.md"
     with pytest.raises(AssertionError):  # the schema check can fail

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import ROOT
 from mlaconv.arch import SourceSpec
 from mlaconv.options import ConvertOptions
 from mlaconv.conversion import convert
@@ -18,7 +19,6 @@ from mlaconv.plan import check_recipe, kv_cache_figures
 from mlaconv.options import load_recipe, merge_options
 from mlaconv.serving import kernel_fit
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 CONFIGS = ROOT / "tests" / "data" / "configs"
 REQUIRED = {"llama-2-7b", "llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.3", "qwen2.5-0.5b",

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import ROOT
 from mlaconv import ConvertOptions, SpectraOptions, TokenSource, convert, evaluate_perplexity, inspect_spectra
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "report.md"
+DOC = ROOT / "docs" / "report.md"
 HEADING = re.compile(r"^#+ `([\w.\[\]]+)`\s*$")
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+) \|")
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from conftest import make_model
+from conftest import ROOT, make_model
 from mlaconv.cli import app
 from mlaconv.io import ShardedWriter
 
@@ -425,7 +425,7 @@ def test_custom_code_is_refused(src, tmp_path):
 
 
 def test_remote_code_is_never_trusted():
-    sources = Path(__file__).resolve().parents[1] / "src" / "mlaconv"
+    sources = ROOT / "src" / "mlaconv"
     uses = [line.strip() for path in sources.rglob("*.py") for line in path.read_text().splitlines()
             if "trust_remote_code" in line and "trust_remote_code`" not in line]
     assert uses and all("False" in line for line in uses), uses

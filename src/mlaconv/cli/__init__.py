@@ -24,13 +24,18 @@ app.add_typer(inspect_app, name="inspect")
 app.add_typer(eval_app, name="eval")
 
 
-@app.callback()
-def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True)):
-    if version:
+def _print_version(value: bool) -> None:
+    if value:
         from mlaconv import __version__
 
         typer.echo(__version__)
         raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
+                                       callback=_print_version)) -> None:
+    del version  # _print_version answers it
 
 
 def main() -> None:
@@ -48,11 +53,7 @@ def _register_commands() -> None:
     import importlib
 
     for name in ("convert", "inspect", "evaluate", "bench", "export"):
-        try:
-            importlib.import_module(f"mlaconv.cli.{name}")
-        except ModuleNotFoundError as exc:  # a sub-command still being written
-            if exc.name != f"mlaconv.cli.{name}":
-                raise
+        importlib.import_module(f"mlaconv.cli.{name}")
 
 
 _register_commands()

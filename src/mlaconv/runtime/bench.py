@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaconv.absorb import MLAShape, absorb_attention
-from mlaconv.mla.layer import MLAAttention
+from mlaconv.mla.layer import AttentionShape, MLAAttention
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.rope import rotate_interleaved
 from mlaconv.progress import Progress, no_progress
@@ -42,17 +42,13 @@ ROPE_THETA = 10000.0
 
 
 @dataclass(frozen=True)
-class SourceShape:
-    label: str
-    hidden: int  # H
-    heads: int  # N
-    kv_heads: int  # n_kv
-    head_dim: int  # d
+class SourceShape(AttentionShape):
+    label: str = ""
 
 
 SHAPES = {
-    "llama2-7b": SourceShape("Llama-2-7B MHA", 4096, 32, 32, 128),
-    "llama3-8b": SourceShape("Llama-3-8B GQA", 4096, 32, 8, 128),
+    "llama2-7b": SourceShape(4096, 32, 32, 128, "Llama-2-7B MHA"),
+    "llama3-8b": SourceShape(4096, 32, 8, 128, "Llama-3-8B GQA"),
 }
 # Both convert to the FlashMLA shape: r = 512, R = 64, P = V = d = 128.
 MLA_SHAPE = MLAShape(hidden=4096, heads=32, rank=512, rope_dim=64, nope_dim=128, v_dim=128)

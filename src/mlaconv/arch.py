@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from mlaconv.errors import MlaconvError
+from mlaconv.models import DTYPES
 from mlaconv.families import EMBED, FINAL_NORM, LM_HEAD, BiasRule, Family, Granite, Phi3, SmolLM3, layer_name
 from mlaconv.mla import rope
 
@@ -327,7 +328,7 @@ def _longrope(config: dict, scaling: dict) -> dict:
 
 def _dtype(config: dict) -> torch.dtype:
     name = str(config.get("torch_dtype") or config.get("dtype") or "float32").replace("torch.", "")
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+    table = {**DTYPES, "float64": torch.float64}
     if name not in table:
         raise MlaconvError(f"config.json: dtype {name!r} is not one mlaconv reads (float32, bfloat16, float16, float64)")
     return table[name]

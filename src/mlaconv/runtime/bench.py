@@ -31,12 +31,13 @@ import torch.nn.functional as F
 from mlaconv.absorb import MLAShape, absorb_attention
 from mlaconv.mla.layer import AttentionShape, MLAAttention
 from mlaconv.errors import MlaconvError
+from mlaconv import models
 from mlaconv.mla.rope import rotate_interleaved
 from mlaconv.progress import Progress, no_progress
 from mlaconv.runtime.attention import (absorbed_attention, attend_latent, expanded_attention, latent_rows,
                                        rope_cos_sin, standard_latent_rows)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: models.DTYPES[name] for name in ("float32", "bfloat16")}  # the dtypes timed
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768)
 ROPE_THETA = 10000.0
 

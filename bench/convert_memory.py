@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlaconv.report import ConversionReport  # no torch: the report types are plain dataclasses
+
 ROOT = Path(__file__).resolve().parent
 GB = 10**9
 PROFILE_SCORES = 2**25  # mlaconv.reference.attention_by_distance's max_scores
@@ -293,11 +295,12 @@ def main() -> None:
                                                                    "command": " ".join(command)}
         report_file = target / "mlaconv.json"
         if report_file.is_file():  # what the calibrated runs chose: window sets, refinement plan, written model
-            calibration = json.loads(report_file.read_text()).get("calibration") or {}
-            results[name]["calibration"] = {key: calibration.get(key) for key in (
-                "windows", "window", "refine_steps", "refine_batch", "refinement")} | {
-                "window_sets": {k: len(v) for k, v in (calibration.get("window_sets") or {}).items() if k != "note"},
-                "written": (calibration.get("whole_model") or {}).get("written")}
+            calibration = ConversionReport.from_json(json.loads(report_file.read_text())).calibration
+            results[name]["calibration"] = None if calibration is None else {
+                "windows": calibration.windows, "window": calibration.window, "refine_steps": calibration.refine_steps,
+                "refine_batch": calibration.refine_batch, "refinement": calibration.refinement,
+                "window_sets": {k: len(getattr(calibration.window_sets, k)) for k in ("fit", "select", "audit")},
+                "written": calibration.whole_model.written}
         if not args.keep and target.exists():
             shutil.rmtree(target)
     results["runtime"] = measure([sys.executable, "-c", "import mlaconv.cli.convert, mlaconv.conversion"])

@@ -217,5 +217,5 @@ def test_kv_cache_block_matches_what_convert_reports(stories, tmp_path):
     check_recipe(recipe, SourceSpec.from_config(json.loads((stories / "config.json").read_text())))
     options = merge_options(recipe.options, {"verify": False, "rank": None})
     report = convert(str(stories), tmp_path / "out", ConvertOptions(**options))
-    assert report["kv_elements_per_token_per_layer"] == recipe.kv_cache["elements_per_token_per_layer"]
-    assert report["kv_bytes_per_token"] == recipe.kv_cache["bytes_per_token"]
+    assert report.kv_elements_per_token_per_layer.to_json() == recipe.kv_cache["elements_per_token_per_layer"]
+    assert report.kv_bytes_per_token.to_json() == recipe.kv_cache["bytes_per_token"]

@@ -13,7 +13,8 @@ from mlaconv.cli._common import JsonErrorGroup
 app = typer.Typer(
     name="mlaconv",
     cls=JsonErrorGroup,
-    help="Convert MHA/GQA checkpoints (Llama, Mistral, Qwen2) into native DeepSeek-V3 MLA checkpoints.",
+    help="Convert MHA/GQA checkpoints (Llama, Mistral, Qwen2/3, Phi-3/4, Granite, SmolLM3 and kin) into native "
+         "DeepSeek-V3 MLA checkpoints.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

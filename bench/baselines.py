@@ -67,10 +67,11 @@ from mlaconv.mla.attention import scale_input
 from mlaconv.mla.layer import AttentionShape, MLAAttention, SourceAttention
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
 from mlaconv.models import load_causal_lm
+from mlaconv import models
 from mlaconv.pipeline import source_layers
 from mlaconv.plan import Shapes, load_source, output_config, plan_shapes, residual_scale
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: models.DTYPES[name] for name in ("float32", "bfloat16")}
 PCA_DAMPING = 0.01  # TransMLA's pca_calc: + 0.01·mean(diag) on the diagonal
 
 

@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlaconv.report import ConversionReport  # no torch: the report types are plain dataclasses
+
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from io_floor import shard_data_bytes  # noqa: E402  (no torch imported: this driver stays small)
@@ -326,11 +328,12 @@ def main() -> None:
         results[name] = fastest(trials) | {"command": " ".join(command)}
         report_file = target / "mlaconv.json"
         if report_file.is_file():  # what the calibrated runs chose: window sets, refinement plan, written model
-            calibration = json.loads(report_file.read_text()).get("calibration") or {}
-            results[name]["calibration"] = {key: calibration.get(key) for key in (
-                "windows", "window", "refine_steps", "refine_batch", "refinement")} | {
-                "window_sets": {k: len(v) for k, v in (calibration.get("window_sets") or {}).items() if k != "note"},
-                "written": (calibration.get("whole_model") or {}).get("written")}
+            calibration = ConversionReport.from_json(json.loads(report_file.read_text())).calibration
+            results[name]["calibration"] = None if calibration is None else {
+                "windows": calibration.windows, "window": calibration.window, "refine_steps": calibration.refine_steps,
+                "refine_batch": calibration.refine_batch, "refinement": calibration.refinement,
+                "window_sets": {k: len(getattr(calibration.window_sets, k)) for k in ("fit", "select", "audit")},
+                "written": calibration.whole_model.written}
         if not args.keep and target.exists():
             shutil.rmtree(target)
     if "floor" not in skip and not floors:  # no convert run: the source's own shard sizes

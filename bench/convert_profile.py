@@ -171,7 +171,8 @@ def main() -> None:
         if layer is not None and not stage.startswith("search"):
             layers[layer][stage.split("/")[0]] += seconds
     stages["other"] = total - sum(stages.values())
-    calibration = report["calibration"]
+    calibration = report.calibration
+    whole = calibration.whole_model
     result = {
         "model": str(args.model), "kv_keep": args.kv_keep, "windows": list(tokens.shape),
         "threads": torch.get_num_threads(), "total_s": total, "source_forward_s": forward,
@@ -179,10 +180,9 @@ def main() -> None:
         "total_cpu_s": total_cpu, "source_forward_cpu_s": forward_cpu, "cpu_ratio": total_cpu / forward_cpu, "stages_s": dict(sorted(stages.items(), key=lambda kv: -kv[1])),
         "stages_cpu_s": dict(stages_cpu),
         "layers_s": {i: dict(v) for i, v in sorted(layers.items())},
-        "refinement": calibration["refinement"], "refine_steps": calibration["refine_steps"],
-        "written": calibration["whole_model"]["written"],
-        "kl": {k: (calibration["whole_model"][k] or {}).get("kl") for k in (calibrated.CLOSED, calibrated.REFINED)},
-        "shapes": [report["config"]["kv_lora_rank"], report["config"]["qk_rope_head_dim"]] if "config" in report else None,
+        "refinement": calibration.refinement, "refine_steps": calibration.refine_steps, "written": whole.written,
+        "kl": {calibrated.CLOSED: whole.closed_form.kl, calibrated.REFINED: whole.refined.kl if whole.refined else None},
+        "shapes": [report.kv_lora_rank, report.qk_rope_head_dim],
     }
     print(f"{args.model.name} --kv-keep {args.kv_keep}: {tokens.shape[0]}×{tokens.shape[1]} tokens, "
           f"{torch.get_num_threads()} threads")

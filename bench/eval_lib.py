@@ -53,6 +53,6 @@ def fidelity(source: str | Path, converted: str | Path, tokens: TokenSource, win
     """One table row: source and converted PPL, drift, KL per token and top-1 agreement on ``tokens``."""
     report = evaluate_perplexity(converted, source, source=tokens, window=window, max_windows=max_windows,
                                  batch_size=batch_size)
-    return {"ppl_source": report["baseline_ppl"], "ppl": report["ppl"], "drift": report["drift"],
-            "kl": report["kl_per_token"], "top1": report["top1_agreement"], "windows": report["windows"],
-            "tokens": report["tokens"], "kv_kept": report["kv_kept"]}
+    return {"ppl_source": report.baseline_ppl, "ppl": report.ppl, "drift": report.drift, "kl": report.kl_per_token,
+            "top1": report.top1_agreement, "windows": report.windows, "tokens": report.tokens,
+            "kv_kept": report.kv_kept}

@@ -73,9 +73,10 @@ def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_step
         options.refine_batch = refine_batch
         options.refine_check_every = refine_check_every
     report = convert(str(source), out, options)
-    calibration = report.get("calibration") or {}
-    return {"r": report["kv_lora_rank"], "R": report["qk_rope_head_dim"], "variants": report["layer_variant"],
-            "refinement": calibration.get("refinement"), "whole_model": calibration.get("whole_model")}
+    calibration = report.calibration
+    return {"r": report.kv_lora_rank, "R": report.qk_rope_head_dim, "variants": report.layer_variant,
+            "refinement": calibration.refinement if calibration else None,
+            "whole_model": calibration.whole_model.to_json() if calibration else None}
 
 
 def use_reduced_rate(lr: float) -> None:

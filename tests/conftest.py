@@ -1,7 +1,9 @@
-"""Shared fixtures: tiny models built in the test, and the bundled real stories260K."""
+"""Shared fixtures: tiny models built in the test, the bundled real stories260K, and the checks of a refused
+conversion (one error line, nothing written, the source untouched)."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -48,3 +50,49 @@ def tiny_model(tmp_path):
 @pytest.fixture(scope="session")
 def stories() -> Path:
     return STORIES
+
+
+# --- refused conversions ----------------------------------------------------------------------------------
+
+
+RANK = ["--rank", "16", "--rope-dim", "8", "--no-verify"]  # head_dim 16 in every tiny model here
+
+
+def cli(*args: str | Path):
+    """``mlaconv convert --quiet``: what is left on stderr is errors and warnings."""
+    from typer.testing import CliRunner
+
+    from mlaconv.cli import app
+
+    return CliRunner().invoke(app, ["convert", "--quiet", *map(str, args)])
+
+
+def hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file under ``folder``, by relative path (so a new or missing file shows too)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def leftovers(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.glob(f".{out.name}.mlaconv-*"))
+
+
+def assert_refused(result, out: Path, source: Path | None = None, before: dict | None = None,
+                   match: str = "") -> str:
+    """Non-zero exit, one ``error:`` line and no traceback, no OUT, no temporary, the source unchanged."""
+    assert result.exit_code not in (0, None), result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert match.lower() in lines[0].lower(), lines[0]
+    assert not out.exists()
+    assert leftovers(out) == []
+    if source is not None:
+        assert hashes(source) == before
+    return lines[0]
+
+
+@pytest.fixture
+def src(tmp_path) -> Path:
+    """A small random Llama (head_dim 16) for the refusal tests."""
+    return make_model(tmp_path / "src", heads=4, kv_heads=2, hidden=32, head_dim=16)

@@ -126,7 +126,7 @@ def test_written_files_load_and_the_manifest_describes_them(converted):
         assert list(tensor.shape) == entry["shape"] and index[name] == entry["file"]
         assert str(tensor.dtype) == "torch." + entry["dtype"]
     assert manifest["dtype"] == "float32"
-    assert manifest["cache"]["elements_per_token_per_layer"] == r + R == report["kv_elements_per_token_per_layer"]["converted"]
+    assert manifest["cache"]["elements_per_token_per_layer"] == r + R == report.kv_elements_per_token_per_layer.converted
     assert manifest["softmax_scale"] == pytest.approx((shape.nope_dim + R) ** -0.5)
     assert manifest["rope"]["theta"] == config["rope_theta"]
     inv_freq = load_file(folder / manifest["tensors"]["rope.inv_freq"]["file"])["rope.inv_freq"]
@@ -229,5 +229,5 @@ def test_convert_absorbed_flag_writes_the_artefact(stories, tmp_path):
 
     report = convert(str(stories), tmp_path / "out", ConvertOptions(rank=16, verify=False, absorbed=True))
     assert (tmp_path / "out" / "absorbed" / "absorbed.json").is_file()
-    assert report["absorbed"]["tensors"] == 4 * 5 + 1  # four per layer and the rope frequencies (no biases)
-    assert 0 < report["absorbed"]["max_relative_nonlinearity"] < 1e-5
+    assert report.absorbed.tensors == 4 * 5 + 1  # four per layer and the rope frequencies (no biases)
+    assert 0 < report.absorbed.max_relative_nonlinearity < 1e-5

@@ -8,14 +8,13 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import mlaconv
+from conftest import ROOT
 from mlaconv.errors import MlaconvError
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_public_names_are_the_library_functions():
@@ -24,11 +23,13 @@ def test_the_public_names_are_the_library_functions():
     from mlaconv.evaluate import evaluate_perplexity
     from mlaconv.io.text import TokenSource
     from mlaconv.io.gguf import export_gguf
+    from mlaconv.report import ConversionReport, EvalReport, SpectraReport
     from mlaconv.spectra import SpectraOptions, spectra
 
     expected = {"convert": convert, "ConvertOptions": ConvertOptions, "inspect_spectra": spectra,
                 "SpectraOptions": SpectraOptions, "evaluate_perplexity": evaluate_perplexity,
-                "TokenSource": TokenSource, "export_gguf": export_gguf, "MlaconvError": MlaconvError}
+                "TokenSource": TokenSource, "export_gguf": export_gguf, "MlaconvError": MlaconvError,
+                "ConversionReport": ConversionReport, "SpectraReport": SpectraReport, "EvalReport": EvalReport}
     assert set(mlaconv.__all__) == {"__version__", *expected}
     for name, value in expected.items():
         assert getattr(mlaconv, name) is value, name
@@ -69,8 +70,8 @@ def test_a_recipe_applies_through_convert_options(tiny_model, tmp_path):
     assert (options.rank, options.rope_dim, options.verify, options.force, options.recipe) == (10, 8, False, True,
                                                                                              str(recipe))
     report = mlaconv.convert(str(src), tmp_path / "out", options)
-    assert (report["kv_lora_rank"], report["qk_rope_head_dim"]) == (10, 8)
-    assert report["settings"]["recipe"] == str(recipe)
+    assert (report.kv_lora_rank, report.qk_rope_head_dim) == (10, 8)
+    assert report.settings["recipe"] == str(recipe)
     recipe.write_text("rank: 12\nkv_keep: 0.5\n")
     with pytest.raises(MlaconvError, match="must set exactly one of rank and kv_keep"):
         mlaconv.ConvertOptions.from_recipe(recipe)

@@ -186,6 +186,11 @@ def test_dtype(change, dtype):
     assert spec(**change).dtype == dtype
 
 
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "int8", "auto"])
+def test_a_dtype_mlaconv_does_not_read_is_refused(name):
+    assert f"dtype {name!r} is not one mlaconv reads" in refusal({**BASE, "torch_dtype": name})
+
+
 @pytest.mark.parametrize("factor, rotary", [(0.5, 8), (0.75, 12), (1.0, 16), (0.25, 4)])
 def test_phi3_partial_rotary(factor, rotary):
     assert spec(model_type="phi3", partial_rotary_factor=factor).rotary_dim == rotary
@@ -211,6 +216,8 @@ def test_partial_rotary_in_transformers_5_rope_parameters():
     ({"model_type": None}, "config.json has no model_type"),
     ({"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}, "declares custom code (auto_map)"),
     ({"sliding_window": 64, "max_position_embeddings": 256}, "sliding-window attention (window 64)"),
+    ({"sliding_window": "4k", "max_position_embeddings": 256}, "sliding_window = '4k' is not a positive integer"),
+    ({"sliding_window": 0, "max_position_embeddings": 256}, "sliding_window = 0 is not a positive integer"),
 ])
 def test_config_refusals_are_one_line_with_the_reason(change, reason):
     assert reason in refusal({**BASE, **change})
@@ -297,6 +304,10 @@ LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "origi
     # the rotated share is not a scaling setting (it would make a DeepSeek target rotate part of its R dims)
     ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
      (1e4, {"rope_type": "linear", "factor": 2.0})),
+    # θ written inside a 4.x rope_scaling (as transformers 5 writes it) is θ, not a scaling setting: left in the
+    # scaling dict it would be copied to the output config, where transformers 5 reads it over the output's θ
+    ({"rope_scaling": {"rope_theta": 5e5, **LLAMA3}}, (5e5, LLAMA3)),
+    ({"rope_theta": 1e6, "rope_scaling": {"rope_theta": 5e5, "rope_type": "default"}}, (1e6, None)),
 ])
 def test_rope_settings(config, expected):
     theta, scaling = rope_settings(config)

@@ -11,11 +11,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from conftest import ROOT
 from mlaconv.plan import load_source, plan_shapes
 from mlaconv.mla.layer import AttentionShape
 from mlaconv.models import load_causal_lm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(ROOT / "bench"))
 from baselines import augmented, convert_joint_svd, convert_transmla, rorope_basis  # noqa: E402
 
 TOKENS = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))

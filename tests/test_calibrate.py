@@ -153,7 +153,7 @@ def test_calibrated_conversion_never_worse_than_weights_only(stories, stories_sa
         calibrated = convert(str(stories), tmp_path / f"c{rank}",
                              ConvertOptions(rank=rank, verify=False, calib=[str(tmp_path / "calib.jsonl")],
                                             calib_window=96, refine_steps=0))
-        assert calibrated["mode"] == "calibrated" and weights["mode"] == "weights-only"
+        assert calibrated.mode == "calibrated" and weights.mode == "weights-only"
         assert kl(tmp_path / f"c{rank}") < kl(tmp_path / f"w{rank}")
 
 
@@ -166,23 +166,24 @@ def test_refinement_lowers_the_measured_attention_error(stories, stories_samples
     common = dict(rank=24, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=96)
     closed = convert(str(stories), tmp_path / "closed", ConvertOptions(refine_steps=0, **common))
     refined = convert(str(stories), tmp_path / "refined", ConvertOptions(refine_steps=100, **common))
-    assert not any("refined" in v for v in closed["layer_variant"])
-    assert closed["calibration"]["whole_model"]["refined"] is None
-    assert closed["calibration"]["whole_model"]["written"] == "closed form"
-    whole = refined["calibration"]["whole_model"]
-    assert whole["written"] == "refined" and whole["refined"]["kl"] < whole["closed form"]["kl"]
-    assert whole["closed form"] == pytest.approx(closed["calibration"]["whole_model"]["closed form"], abs=1e-9)
-    for choice, variant in zip(refined["calibration"]["selection"], refined["layer_variant"]):
-        step = choice["refinement"]
-        assert step["kept"] == (step["after"] < step["before"]) == variant.endswith(", refined")
-    assert any("refined" in v for v in refined["layer_variant"])
-    assert refined["calibration"]["closed_form"]["attention_error"] == pytest.approx(closed["attention_error"], abs=1e-9)
+    assert not any("refined" in v for v in closed.layer_variant)
+    assert closed.calibration.whole_model.refined is None
+    assert closed.calibration.whole_model.written == "closed form"
+    whole = refined.calibration.whole_model
+    assert whole.written == "refined" and whole.refined.kl < whole.closed_form.kl
+    before = closed.calibration.whole_model.closed_form
+    assert (whole.closed_form.kl, whole.closed_form.top1) == pytest.approx((before.kl, before.top1), abs=1e-9)
+    for choice, variant in zip(refined.calibration.selection, refined.layer_variant):
+        step = choice.refinement
+        assert step.kept == (step.after < step.before) == variant.endswith(", refined")
+    assert any("refined" in v for v in refined.layer_variant)
+    assert refined.calibration.closed_form.attention_error == pytest.approx(closed.attention_error, abs=1e-9)
     # audited on windows that chose nothing: a smaller gain than the select windows, which chose the best step, show
-    assert sum(refined["attention_error"]) < 0.95 * sum(closed["attention_error"])
+    assert sum(refined.attention_error) < 0.95 * sum(closed.attention_error)
     # on the select windows: 0.878 of the closed form's error at a fixed rate of 3e-3, 0.900 with the default
     # rate 3e-2 and its back-off (whose whole-model KL on the audit windows is lower: bench/README.md, issue 16)
-    assert sum(c["refinement"]["after"] for c in refined["calibration"]["selection"]) < 0.92 * sum(
-        c["refinement"]["before"] for c in refined["calibration"]["selection"])
+    assert sum(c.refinement.after for c in refined.calibration.selection) < 0.92 * sum(
+        c.refinement.before for c in refined.calibration.selection)
     assert kl(tmp_path / "refined") < kl(tmp_path / "closed")
 
 
@@ -219,7 +220,7 @@ def test_same_inputs_give_byte_identical_output(tiny_model, tmp_path, monkeypatc
     options = dict(rank=20, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=24, refine_steps=10,
                    device="cpu")  # CUDA kernels need not be deterministic
     report = convert(str(src), tmp_path / "out", ConvertOptions(**options))
-    assert report["calibration"]["refine_steps"] == 10 and refined  # the stochastic step runs too
+    assert report.calibration.refine_steps == 10 and refined  # the stochastic step runs too
     first = {p.name: p.read_bytes() for p in sorted((tmp_path / "out").iterdir())}
     convert(str(src), tmp_path / "out", ConvertOptions(force=True, **options))
     second = {p.name: p.read_bytes() for p in sorted((tmp_path / "out").iterdir())}
@@ -234,9 +235,9 @@ def test_measured_attention_error_is_zero_for_an_exact_conversion(tiny_model, tm
     write_tokens(tmp_path / "calib.jsonl", random_tokens(6, 24, 96, seed=9))
     common = dict(verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=24, rope_dim=16, refine_steps=0)
     exact = convert(str(src), tmp_path / "exact", ConvertOptions(rank=16, **common))
-    assert max(exact["attention_error"]) <= 1e-10
+    assert max(exact.attention_error) <= 1e-10
     lossy = convert(str(src), tmp_path / "lossy", ConvertOptions(rank=4, **common))
-    assert min(lossy["attention_error"]) > 1e-4
+    assert min(lossy.attention_error) > 1e-4
 
     spec, reader = open_source(src)
     streamer = SourceStreamer(reader, spec, CalibrationOptions(random_tokens(6, 24, 96, seed=9)))
@@ -306,9 +307,9 @@ def test_kv_keep_split_is_chosen_by_measured_error(tiny_model, tmp_path):
     write_tokens(tmp_path / "calib.jsonl", random_tokens(8, 48, 96, seed=8))
     report = convert(str(src), tmp_path / "out", ConvertOptions(kv_keep=0.5, verify=False, calib_window=48,
                                                                 calib=[str(tmp_path / "calib.jsonl")]))
-    table = report["shape_search"]["candidates"]
-    assert len(table) >= 2 and all(row["kv_lora_rank"] + row["qk_rope_head_dim"] <= 64 for row in table)
-    best = min(table, key=lambda row: row["mean_attention_error"])
-    assert (report["kv_lora_rank"], report["qk_rope_head_dim"]) == (best["kv_lora_rank"], best["qk_rope_head_dim"])
-    assert "least mean attention error" in report["shape_choice"]
+    table = report.shape_search.candidates
+    assert len(table) >= 2 and all(row.kv_lora_rank + row.qk_rope_head_dim <= 64 for row in table)
+    best = min(table, key=lambda row: row.mean_attention_error)
+    assert (report.kv_lora_rank, report.qk_rope_head_dim) == (best.kv_lora_rank, best.qk_rope_head_dim)
+    assert "least mean attention error" in report.shape_choice
 

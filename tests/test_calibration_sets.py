@@ -111,15 +111,15 @@ def test_audit_windows_choose_nothing(tiny_model, tmp_path):
         runs[name] = tokens
     reports = {name: convert(str(src), tmp_path / name, calibrated(tmp_path, tokens, name, rank=6, refine_steps=0))
                for name, tokens in runs.items()}
-    sets = reports["base"]["calibration"]["window_sets"]
-    assert sets["select"] == list(split_windows(16).select) and sets["audit"] == list(split_windows(16).audit)
-    assert reports["audit"]["calibration"]["selection"] == reports["base"]["calibration"]["selection"]
-    assert reports["audit"]["layer_variant"] == reports["base"]["layer_variant"]
+    sets = reports["base"].calibration.window_sets
+    assert sets.select == list(split_windows(16).select) and sets.audit == list(split_windows(16).audit)
+    assert reports["audit"].calibration.selection == reports["base"].calibration.selection
+    assert reports["audit"].layer_variant == reports["base"].layer_variant
     first, second = tensors(tmp_path / "base"), tensors(tmp_path / "audit")
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
-    assert reports["audit"]["attention_error"] != reports["base"]["attention_error"]
-    assert reports["audit"]["energy_retained"] != reports["base"]["energy_retained"]
-    assert reports["select"]["calibration"]["selection"] != reports["base"]["calibration"]["selection"]
+    assert reports["audit"].attention_error != reports["base"].attention_error
+    assert reports["audit"].energy_retained != reports["base"].energy_retained
+    assert reports["select"].calibration.selection != reports["base"].calibration.selection
 
 
 def agreement_by_transformers(source: Path, converted: Path, tokens: torch.Tensor) -> dict:
@@ -137,15 +137,16 @@ def test_whole_model_check_is_what_transformers_computes(tiny_model, tmp_path):
     tokens = random_tokens(16, 32, 96, seed=5)
     report = convert(str(src), tmp_path / "out", calibrated(tmp_path, tokens, "calib", rank=8, refine_steps=40,
                                                             dtype="float32"))
-    whole = report["calibration"]["whole_model"]
-    assert whole["refined"] is not None and whole["closed form"] is not None
-    assert whole["tokens"] == len(report["calibration"]["window_sets"]["audit"]) * 32
-    audit = tokens[report["calibration"]["window_sets"]["audit"]]
+    whole = report.calibration.whole_model
+    assert whole.refined is not None and whole.closed_form is not None
+    assert whole.tokens == len(report.calibration.window_sets.audit) * 32
+    audit = tokens[report.calibration.window_sets.audit]
     measured = agreement_by_transformers(src, tmp_path / "out", audit)
-    assert whole[whole["written"]]["kl"] == pytest.approx(measured["kl"], rel=1e-3, abs=1e-6)
-    assert whole[whole["written"]]["top1"] == pytest.approx(measured["top1"], abs=1.5 / audit.numel())
-    other = "closed form" if whole["written"] == "refined" else "refined"
-    assert whole[other]["kl"] >= whole[whole["written"]]["kl"]
+    written, other = ((whole.refined, whole.closed_form) if whole.written == "refined" else
+                      (whole.closed_form, whole.refined))
+    assert written.kl == pytest.approx(measured["kl"], rel=1e-3, abs=1e-6)
+    assert written.top1 == pytest.approx(measured["top1"], abs=1.5 / audit.numel())
+    assert other.kl >= written.kl
 
 
 def test_overfitted_refinement_is_rejected_by_the_whole_model_check(stories, tmp_path, monkeypatch):
@@ -163,14 +164,14 @@ def test_overfitted_refinement_is_rejected_by_the_whole_model_check(stories, tmp
     closed = convert(str(stories), tmp_path / "closed", calibrated(tmp_path, ids, "calib", rank=24, refine_steps=0))
     monkeypatch.setattr(mlaconv.calibrated, "refine", overfitted)
     report = convert(str(stories), tmp_path / "overfitted", calibrated(tmp_path, ids, "calib", rank=24, refine_steps=1))
-    selection = report["calibration"]["selection"]
-    assert all(layer["refinement"]["kept"] for layer in selection)  # each layer passed its own check
-    whole = report["calibration"]["whole_model"]
-    assert whole["refined"]["kl"] > whole["closed form"]["kl"] and whole["written"] == "closed form"
-    assert whole["reason"].startswith("the refined model was rejected")
-    assert not any("refined" in v for v in report["layer_variant"])
-    assert report["attention_error"] == closed["attention_error"]
-    assert all(v.endswith(", refined") for v in report["calibration"]["refined"]["layer_variant"])
+    selection = report.calibration.selection
+    assert all(layer.refinement.kept for layer in selection)  # each layer passed its own check
+    whole = report.calibration.whole_model
+    assert whole.refined.kl > whole.closed_form.kl and whole.written == "closed form"
+    assert whole.reason.startswith("the refined model was rejected")
+    assert not any("refined" in v for v in report.layer_variant)
+    assert report.attention_error == closed.attention_error
+    assert all(v.endswith(", refined") for v in report.calibration.refined.layer_variant)
     written, reference = tensors(tmp_path / "overfitted"), tensors(tmp_path / "closed")
     assert written.keys() == reference.keys() and all(torch.equal(written[k], reference[k]) for k in written)
     assert not (tmp_path / "overfitted" / ".pending").exists()
@@ -183,6 +184,6 @@ def test_small_calibration_sets_are_refused_or_noted(tiny_model, tmp_path):
     assert not (tmp_path / "two").exists()
     report = convert(str(src), tmp_path / "five", calibrated(tmp_path, random_tokens(5, 24, 96, seed=6), "five",
                                                              rank=6, refine_steps=0))
-    sets = report["calibration"]["window_sets"]
-    assert (len(sets["fit"]), len(sets["select"]), len(sets["audit"])) == (3, 1, 1)
-    assert "rest on little data" in sets["note"]
+    sets = report.calibration.window_sets
+    assert (len(sets.fit), len(sets.select), len(sets.audit)) == (3, 1, 1)
+    assert "rest on little data" in sets.note

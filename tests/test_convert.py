@@ -38,8 +38,8 @@ def check_by_hand(src, out, report, drop_biases: bool = False) -> dict:
     from mlaconv.plan import load_source
     from mlaconv.verify import verification_tokens
 
-    check = report["verify"]
-    assert check["dtype"] == "float32"
+    check = report.verify
+    assert check.dtype == "float32"
     source = AutoModelForCausalLM.from_pretrained(src).eval()
     converted = AutoModelForCausalLM.from_pretrained(out).eval()
     if drop_biases:
@@ -47,9 +47,9 @@ def check_by_hand(src, out, report, drop_biases: bool = False) -> dict:
             for module in (layer.self_attn.kv_a_proj_with_mqa, layer.self_attn.o_proj):
                 if module.bias is not None:
                     module.bias.data.zero_()
-    tokens = verification_tokens(Path(src), load_source(str(src))[1], check["windows"],
-                                 check["tokens"] // check["windows"], model=source)
-    assert tokens.numel() == check["tokens"]
+    tokens = verification_tokens(Path(src), load_source(str(src))[1], check.windows,
+                                 check.tokens // check.windows, model=source)
+    assert tokens.numel() == check.tokens
     with torch.no_grad():
         logp = torch.log_softmax(source(tokens).logits.double(), -1)
         logq = torch.log_softmax(converted(tokens).logits.double(), -1)
@@ -62,15 +62,15 @@ def test_mqa_full_rank_is_exact_in_float32(tiny_model, tmp_path):
     report = run(src, tmp_path / "out", rank=16, rope_dim=16)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
-    assert report["rope_energy_kept"] == pytest.approx([1.0, 1.0])
-    assert report["energy_retained"]["mean"] == pytest.approx(1.0)
+    assert report.rope_energy_kept == pytest.approx([1.0, 1.0])
+    assert report.energy_retained.mean == pytest.approx(1.0)
     assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
 
 
 def test_mqa_full_rank_bfloat16_within_rounding(tiny_model, tmp_path):
     src = tiny_model(kv_heads=1, head_dim=16, dtype=torch.bfloat16)
     report = run(src, tmp_path / "out", rank=16, rope_dim=16)
-    assert report["dtype"] == "bfloat16"
+    assert report.dtype == "bfloat16"
     reference = logits(src, dtype=torch.float32)
     # bf16 source evaluated in bf16 differs from its own float32 evaluation by rounding alone; the
     # converted model must stay within a small multiple of that.
@@ -86,8 +86,8 @@ def test_rank_one_keys_per_frequency_keep_all_rope_and_are_exact(tiny_model, tmp
         src = tiny_model(f"src{kv_heads}", kv_heads=kv_heads, head_dim=16)
         weights = _make_keys_rank_one(src, kv_heads)
         report = run(src, tmp_path / f"out{kv_heads}", rank=min(64, 2 * kv_heads * 16 - 16), rope_dim=16)
-        assert min(report["rope_energy_kept"]) == pytest.approx(1.0, abs=1e-9), weights
-        assert report["energy_retained"]["mean"] == pytest.approx(1.0)
+        assert min(report.rope_energy_kept) == pytest.approx(1.0, abs=1e-9), weights
+        assert report.energy_retained.mean == pytest.approx(1.0)
         assert rel_err(logits(tmp_path / f"out{kv_heads}"), logits(src)) <= 1e-4
 
 
@@ -126,8 +126,8 @@ def test_gqa_error_comes_only_from_unrotated_rope_energy(tiny_model, tmp_path):
         state = {n: (w + t * noise[n] if n in noise else w) for n, w in clean.items()}
         save_file(state, src / "model.safetensors", metadata={"format": "pt"})
         report = run(src, tmp_path / f"out{step}", rank=48, rope_dim=16)
-        assert report["energy_retained"]["mean"] == pytest.approx(1.0)
-        kept.append(min(report["rope_energy_kept"]))
+        assert report.energy_retained.mean == pytest.approx(1.0)
+        kept.append(min(report.rope_energy_kept))
         errors.append(rel_err(logits(tmp_path / f"out{step}"), logits(src)))
     assert kept == sorted(kept) and kept[-1] == pytest.approx(1.0)
     assert errors == sorted(errors, reverse=True)
@@ -136,7 +136,7 @@ def test_gqa_error_comes_only_from_unrotated_rope_energy(tiny_model, tmp_path):
 
 def test_energy_retained_rises_with_rank_to_one(tiny_model, tmp_path):
     src = tiny_model(kv_heads=2, head_dim=16)
-    energies = [run(src, tmp_path / f"r{r}", rank=r, rope_dim=8)["energy_retained"]["mean"] for r in (4, 16, 32, 56)]
+    energies = [run(src, tmp_path / f"r{r}", rank=r, rope_dim=8).energy_retained.mean for r in (4, 16, 32, 56)]
     assert energies == sorted(energies)
     assert energies[-1] == pytest.approx(1.0)
     assert energies[0] < 0.9
@@ -147,7 +147,7 @@ def test_llama_eps_rescale_is_exact(tiny_model, tmp_path):
     report = run(src, tmp_path / "out", rank=16, rope_dim=16)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["rms_norm_eps"] == 1e-6
-    assert report["residual_scale"] == pytest.approx((1e-6 / 1e-5) ** 0.5)
+    assert report.residual_scale == pytest.approx((1e-6 / 1e-5) ** 0.5)
     assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
 
 
@@ -162,28 +162,28 @@ def test_qwen2_biases_folded_and_reported_for_transformers(tiny_model, tmp_path)
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     report = run(src, tmp_path / "out", rank=16, rope_dim=16, verify=True, target="transformers")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["attention_bias"] is True and report["dropped_bias"] == []
+    assert config["attention_bias"] is True and report.dropped_bias == []
     # k and v biases are folded exactly (k's NoPE part is softmax-invariant, v's goes to o_proj.bias).
     assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
-    assert report["verify"]["max_rel_logit_diff"] <= 1e-4
+    assert report.verify.max_rel_logit_diff <= 1e-4
     dropped = check_by_hand(src, tmp_path / "out", report, drop_biases=True)["kl"]
-    engines = report["verify"]["engines"]
+    engines = report.verify.engines
     for name in ("vllm", "sglang"):  # what vLLM/SGLang compute, measured
         assert engines[name]["kl"] == pytest.approx(dropped, rel=1e-6)
         assert engines[name]["differences"] == ["drops kv_a_proj_with_mqa.bias", "drops o_proj.bias"]
     assert dropped > 1e-6
     assert "llama.cpp's deepseek2 has no attention biases" in engines["llamacpp"]["refused"]
-    assert any("vLLM and SGLang drop" in w for w in report["serving"]["warnings"])
+    assert any("vLLM and SGLang drop" in w for w in report.serving.warnings)
 
 
 def test_qwen2_query_bias_is_reported_and_measured(tiny_model, tmp_path):
     src = tiny_model(family="qwen2", kv_heads=2, head_dim=16)
     report = run(src, tmp_path / "out", rank=48, rope_dim=16, verify=True)
-    assert report["dropped_bias"] == ["q_proj.bias"]
-    assert any("q_proj.bias" in w for w in report["serving"]["warnings"])
+    assert report.dropped_bias == ["q_proj.bias"]
+    assert any("q_proj.bias" in w for w in report.serving.warnings)
     by_hand = check_by_hand(src, tmp_path / "out", report)
-    assert report["verify"]["kl"] == pytest.approx(by_hand["kl"], rel=1e-6) and by_hand["kl"] > 1e-6
-    assert report["verify"]["top1"] == by_hand["top1"]
+    assert report.verify.kl == pytest.approx(by_hand["kl"], rel=1e-6) and by_hand["kl"] > 1e-6
+    assert report.verify.top1 == by_hand["top1"]
 
 
 def test_mistral_converts(tiny_model, tmp_path):
@@ -195,20 +195,21 @@ def test_mistral_converts(tiny_model, tmp_path):
 @pytest.mark.parametrize("rank", [8, 24, 56])
 def test_stories260k_converts_and_generates(stories, tmp_path, rank):
     report = run(stories, tmp_path / "out", rank=rank, verify=True, verify_windows=2, verify_window=32)
-    assert report["kv_elements_per_token_per_layer"] == {"source": 64, "converted": rank + 8}
-    assert len(report["energy_retained"]["per_layer"]) == 5
+    kv = report.kv_elements_per_token_per_layer
+    assert (kv.source, kv.converted) == (64, rank + 8)
+    assert len(report.energy_retained.per_layer) == 5
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     generated = model.generate(torch.tensor([[1]]), max_new_tokens=12, do_sample=False)
     assert generated.shape == (1, 13)
     by_hand = check_by_hand(stories, tmp_path / "out", report)
-    assert report["verify"]["top1"] == by_hand["top1"]
-    assert report["verify"]["kl"] == pytest.approx(by_hand["kl"], rel=1e-6)
+    assert report.verify.top1 == by_hand["top1"]
+    assert report.verify.kl == pytest.approx(by_hand["kl"], rel=1e-6)
 
 
 def test_kv_keep_picks_shapes_within_budget(stories, tmp_path):
     report = run(stories, tmp_path / "out", kv_keep=0.5)
-    kv = report["kv_elements_per_token_per_layer"]
-    assert kv["converted"] <= 32 and report["qk_rope_head_dim"] % 2 == 0
+    kv = report.kv_elements_per_token_per_layer
+    assert kv.converted <= 32 and report.qk_rope_head_dim % 2 == 0
     with pytest.raises(MlaconvError, match="give exactly one"):
         run(stories, tmp_path / "x", kv_keep=0.5, rank=8)
 
@@ -220,7 +221,7 @@ def test_tiny_latent_bound_holds_for_huge_hidden_states(tiny_model, tmp_path):
 
     src = tiny_model(kv_heads=1, head_dim=16, eps=1e-5)
     report = run(src, tmp_path / "out", rank=16, rope_dim=16)
-    assert report["latent_norm"]["max_bound"] <= DEFAULT_DELTA * (1 + 1e-9)
+    assert report.latent_norm.max_bound <= DEFAULT_DELTA * (1 + 1e-9)
     source = load_causal_lm(src)
     converted = load_causal_lm(tmp_path / "out")
     ratios = []
@@ -232,7 +233,7 @@ def test_tiny_latent_bound_holds_for_huge_hidden_states(tiny_model, tmp_path):
     embeds[:, 5] *= 1e3  # one token far beyond anything in training
     with torch.no_grad():
         expected = source(inputs_embeds=embeds).logits.double()
-        got = converted(inputs_embeds=embeds * report["residual_scale"]).logits.double()
+        got = converted(inputs_embeds=embeds * report.residual_scale).logits.double()
     assert max(ratios) <= DEFAULT_DELTA
     assert rel_err(got, expected) <= 1e-4
 
@@ -244,7 +245,7 @@ def test_llama3_rope_scaling_is_exact_for_transformers_and_reported(tiny_model, 
     report = run(src, tmp_path / "out", rank=16, rope_dim=16, target="transformers")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["rope_scaling"]["rope_type"] == "llama3"
-    assert any("deepseek_yarn" in w for w in report["serving"]["warnings"])
+    assert any("deepseek_yarn" in w for w in report.serving.warnings)
     long_tokens = torch.randint(0, 96, (1, 200), generator=torch.Generator().manual_seed(2))
     assert rel_err(logits(tmp_path / "out", long_tokens), logits(src, long_tokens)) <= 1e-4
 
@@ -273,7 +274,7 @@ def test_hub_id_resolves_from_the_local_cache_offline(tiny_model, tmp_path, monk
     src = tiny_model(kv_heads=1, head_dim=16)
     offline_hub_cache(src, tmp_path, monkeypatch)
     report = run("acme/tiny", tmp_path / "out", rank=16, rope_dim=16)
-    assert report["source_id"] == "acme/tiny" and report["source_revision"] == "0" * 40
+    assert report.source_id == "acme/tiny" and report.source_revision == "0" * 40
     assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
 
 

@@ -109,12 +109,12 @@ def test_perplexity_is_the_exponent_of_plain_cross_entropy_over_non_overlapping_
 
     report = evaluate_perplexity(folder, source=TokenSource(text=text_file), window=window, batch_size=3)
 
-    assert report["ppl"] == pytest.approx(math.exp(total / count), rel=1e-6)
-    assert report["windows"] == full
-    assert report["tokens"] == count == full * (window - 1)
-    assert report["stream_tokens"] == len(ids)
-    assert report["dropped_tokens"] == len(ids) - full * window
-    assert report["tokenizer"].endswith(f"from {folder}")
+    assert report.ppl == pytest.approx(math.exp(total / count), rel=1e-6)
+    assert report.windows == full
+    assert report.tokens == count == full * (window - 1)
+    assert report.stream_tokens == len(ids)
+    assert report.dropped_tokens == len(ids) - full * window
+    assert report.tokenizer.endswith(f"from {folder}")
 
 
 def test_max_windows_scores_only_the_first_windows(with_tokenizer, text_file, tokenizer):
@@ -124,8 +124,8 @@ def test_max_windows_scores_only_the_first_windows(with_tokenizer, text_file, to
 
     report = evaluate_perplexity(folder, source=TokenSource(text=text_file), window=16, max_windows=2)
 
-    assert (report["windows"], report["tokens"]) == (2, 30)
-    assert report["ppl"] == pytest.approx(math.exp(total / count), rel=1e-6)
+    assert (report.windows, report.tokens) == (2, 30)
+    assert report.ppl == pytest.approx(math.exp(total / count), rel=1e-6)
 
 
 def test_windows_are_cut_per_sequence_with_the_remainder_dropped():
@@ -147,28 +147,28 @@ def test_token_lines_are_separate_sequences_and_short_lines_are_whole_windows(tm
 
     report = evaluate_perplexity(folder, source=TokenSource(tokens=path), window=8, batch_size=4)
 
-    assert (report["windows"], report["tokens"], report["dropped_tokens"]) == (5, count, 4)
-    assert report["ppl"] == pytest.approx(math.exp(total / count), rel=1e-6)
-    assert report["tokenizer"] is None
+    assert (report.windows, report.tokens, report.dropped_tokens) == (5, count, 4)
+    assert report.ppl == pytest.approx(math.exp(total / count), rel=1e-6)
+    assert report.tokenizer is None
 
 
 @pytest.mark.parametrize("window", [None, 256])
 def test_stories260k_samples_give_the_known_perplexity(stories, window):
     report = evaluate_perplexity(stories, source=TokenSource(tokens=stories / "samples.jsonl"), window=window,
                                  batch_size=16)
-    assert (report["windows"], report["tokens"]) == (48, 48 * 255)
-    assert report["ppl"] == pytest.approx(17.66, abs=0.01)
-    assert report["kv_elements_per_token"] == {"model": 5 * 2 * 4 * 8}
+    assert (report.windows, report.tokens) == (48, 48 * 255)
+    assert report.ppl == pytest.approx(17.66, abs=0.01)
+    assert report.kv_elements_per_token == {"model": 5 * 2 * 4 * 8}
 
 
 def test_a_model_against_itself_has_no_kl_full_agreement_and_no_drift(with_tokenizer, text_file):
     folder = with_tokenizer()
     report = evaluate_perplexity(folder, folder, source=TokenSource(text=text_file), window=32, batch_size=2)
-    assert report["kl_per_token"] == pytest.approx(0.0, abs=1e-9)
-    assert report["top1_agreement"] == 1.0
-    assert report["drift"] == pytest.approx(0.0, abs=1e-12)
-    assert report["ppl"] == pytest.approx(report["baseline_ppl"], rel=1e-12)
-    assert report["kv_kept"] == 1.0
+    assert report.kl_per_token == pytest.approx(0.0, abs=1e-9)
+    assert report.top1_agreement == 1.0
+    assert report.drift == pytest.approx(0.0, abs=1e-12)
+    assert report.ppl == pytest.approx(report.baseline_ppl, rel=1e-12)
+    assert report.kv_kept == 1.0
 
 
 def test_comparison_matches_a_direct_computation(with_tokenizer, text_file, tokenizer):
@@ -187,19 +187,19 @@ def test_comparison_matches_a_direct_computation(with_tokenizer, text_file, toke
 
     report = evaluate_perplexity(model, baseline, source=TokenSource(text=text_file), window=window)
 
-    assert report["ppl"] == pytest.approx(math.exp(nll_model), rel=1e-5)
-    assert report["baseline_ppl"] == pytest.approx(math.exp(nll_base), rel=1e-5)
-    assert report["drift"] == pytest.approx(report["ppl"] / report["baseline_ppl"] - 1, rel=1e-9)
-    assert report["kl_per_token"] == pytest.approx(kl, rel=1e-4)
-    assert report["top1_agreement"] == pytest.approx(agreement)
-    assert 0 < report["kl_per_token"] and report["top1_agreement"] < 1
+    assert report.ppl == pytest.approx(math.exp(nll_model), rel=1e-5)
+    assert report.baseline_ppl == pytest.approx(math.exp(nll_base), rel=1e-5)
+    assert report.drift == pytest.approx(report.ppl / report.baseline_ppl - 1, rel=1e-9)
+    assert report.kl_per_token == pytest.approx(kl, rel=1e-4)
+    assert report.top1_agreement == pytest.approx(agreement)
+    assert 0 < report.kl_per_token and report.top1_agreement < 1
     # Paired standard error of the mean NLL difference: per-window differences, equal window lengths.
     per_window = (-logp_model.gather(-1, labels) + logp_base.gather(-1, labels)).mean((1, 2))
-    assert report["nll_diff_stderr"] == pytest.approx((per_window.std() / math.sqrt(len(per_window))).item(), rel=1e-4)
+    assert report.nll_diff_stderr == pytest.approx((per_window.std() / math.sqrt(len(per_window))).item(), rel=1e-4)
     # 2 KV heads × 16 dims × 2 (keys and values) × 2 layers against 1 KV head, float32.
-    assert report["kv_elements_per_token"] == {"model": 64, "baseline": 128}
-    assert report["kv_bytes_per_token"] == {"model": 256, "baseline": 512}
-    assert report["kv_kept"] == 0.5
+    assert report.kv_elements_per_token == {"model": 64, "baseline": 128}
+    assert report.kv_bytes_per_token == {"model": 256, "baseline": 512}
+    assert report.kv_kept == 0.5
 
 
 def test_text_is_tokenized_with_the_baselines_tokenizer(tiny_model, with_tokenizer, text_file):
@@ -213,10 +213,10 @@ def test_text_is_tokenized_with_the_baselines_tokenizer(tiny_model, with_tokeniz
     with_other = evaluate_perplexity(other, baseline, source=source, window=32)
     other_alone = evaluate_perplexity(other, source=source, window=32)
 
-    assert with_bare["tokenizer"].endswith(f"from {baseline}") and with_other["tokenizer"] == with_bare["tokenizer"]
-    assert with_other["ppl"] == pytest.approx(with_bare["ppl"], rel=1e-9)
-    assert other_alone["tokenizer"].endswith(f"from {other}")
-    assert other_alone["ppl"] != pytest.approx(with_other["ppl"], rel=1e-3)
+    assert with_bare.tokenizer.endswith(f"from {baseline}") and with_other.tokenizer == with_bare.tokenizer
+    assert with_other.ppl == pytest.approx(with_bare.ppl, rel=1e-9)
+    assert other_alone.tokenizer.endswith(f"from {other}")
+    assert other_alone.ppl != pytest.approx(with_other.ppl, rel=1e-3)
 
 
 def test_models_that_do_not_fit_together_run_one_after_the_other(with_tokenizer, text_file, monkeypatch):
@@ -227,11 +227,11 @@ def test_models_that_do_not_fit_together_run_one_after_the_other(with_tokenizer,
 
     sequential = evaluate_perplexity(model, baseline, source=source, window=32)
 
-    assert sequential["ppl"] == pytest.approx(together["ppl"], rel=1e-9)
-    assert sequential["baseline_ppl"] == pytest.approx(together["baseline_ppl"], rel=1e-9)
-    assert sequential["drift"] == pytest.approx(together["drift"], rel=1e-9)
-    assert sequential["kl_per_token"] is None and sequential["top1_agreement"] is None
-    assert "one after the other" in sequential["notes"][0]
+    assert sequential.ppl == pytest.approx(together.ppl, rel=1e-9)
+    assert sequential.baseline_ppl == pytest.approx(together.baseline_ppl, rel=1e-9)
+    assert sequential.drift == pytest.approx(together.drift, rel=1e-9)
+    assert sequential.kl_per_token is None and sequential.top1_agreement is None
+    assert "one after the other" in sequential.notes[0]
 
 
 def test_dataset_text_is_joined_with_blank_lines(tmp_path, with_tokenizer, monkeypatch):

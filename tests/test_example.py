@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from conftest import ROOT
 from mlaconv.cli import app
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "llama-docs"
 sys.path.insert(0, str(ROOT / "bench"))
 from overlap import drop_overlapping, shared_shingles, shingles  # noqa: E402

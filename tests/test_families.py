@@ -101,8 +101,8 @@ def test_full_rank_mqa_conversion_is_exact(name, sources, tmp_path):
     src = sources[name]
     report = convert(str(src), tmp_path / "out", ConvertOptions(verify=False, **EXACT[name][1]))
     assert type(load_causal_lm(tmp_path / "out")).__name__ == "DeepseekV3ForCausalLM"
-    assert report["energy_retained"]["mean"] == pytest.approx(1.0)
-    assert report["rope_energy_kept"] == pytest.approx([1.0] * len(report["rope_energy_kept"]))
+    assert report.energy_retained.mean == pytest.approx(1.0)
+    assert report.rope_energy_kept == pytest.approx([1.0] * len(report.rope_energy_kept))
     for tokens in (SHORT, LONG):
         assert rel_err(logits(tmp_path / "out", tokens), logits(src, tokens)) <= 1e-4
 
@@ -115,8 +115,8 @@ def test_calibrated_full_rank_conversion_is_exact(name, sources, tmp_path):
                              for _ in range(4)))
     report = convert(str(sources[name]), tmp_path / "out",
                      ConvertOptions(verify=False, calib=[str(calib)], calib_window=24, **EXACT[name][1]))
-    assert report["mode"] == "calibrated"
-    assert max(report["attention_error"]) < 1e-8
+    assert report.mode == "calibrated"
+    assert max(report.attention_error) < 1e-8
     assert rel_err(logits(tmp_path / "out", LONG), logits(sources[name], LONG)) <= 1e-4
 
 
@@ -155,7 +155,7 @@ def test_longrope_is_carried_over_at_the_kept_frequencies(sources, tmp_path):
 
 def test_smollm3_layers_without_rope_keep_no_rotated_key(sources, tmp_path):
     report = convert(str(sources["smollm3"]), tmp_path / "out", ConvertOptions(verify=False, rank=32, rope_dim=16))
-    assert report["source_shape"]["layers_without_rope"] == [1, 3]
+    assert report.source_shape.layers_without_rope == [1, 3]
     from safetensors.torch import load_file
 
     tensors = {k: v for shard in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(shard).items()}
@@ -174,7 +174,7 @@ def test_phi3_auto_map_to_transformers_own_code_converts_and_other_code_is_refus
     config = json.loads((src / "config.json").read_text())
     upstreamed = {"AutoConfig": "configuration_phi3.Phi3Config", "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"}
     (src / "config.json").write_text(json.dumps(config | {"auto_map": upstreamed}))
-    assert convert(str(src), tmp_path / "out", ConvertOptions(verify=False, rank=16))["architecture"] == "Phi-3"
+    assert convert(str(src), tmp_path / "out", ConvertOptions(verify=False, rank=16)).architecture == "Phi-3"
     (src / "config.json").write_text(json.dumps(config | {"auto_map": {**upstreamed,
                                                                        "AutoModelForCausalLM": "modeling_x.Phi3X"}}))
     with pytest.raises(MlaconvError, match=r"custom code \(auto_map\)"):
@@ -259,11 +259,11 @@ def test_gqa_partial_rotary_is_exact_when_each_rotated_frequency_is_one_key(tmp_
         state[name][N * d : (N + G) * d] = k.reshape(G * d, -1)
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     report = convert(str(src), tmp_path / "out", ConvertOptions(verify=False, rank=2 * G * d - rot, rope_dim=rot))
-    assert report["rope_energy_kept"] == pytest.approx([1.0, 1.0], abs=1e-9)
-    assert report["source_shape"]["rotary_dim"] == rot
+    assert report.rope_energy_kept == pytest.approx([1.0, 1.0], abs=1e-9)
+    assert report.source_shape.rotary_dim == rot
     assert rel_err(logits(tmp_path / "out", SHORT), logits(src, SHORT)) <= 1e-4
     # With the rotated frequencies left as they were (heads not aligned), the shared key cannot keep them all.
     lossy = build(tmp_path / "phi3-lossy", hf.Phi3Config(**COMMON, num_key_value_heads=2, partial_rotary_factor=0.75))
     report = convert(str(lossy), tmp_path / "out2", ConvertOptions(verify=False, rank=2 * G * d - rot, rope_dim=rot))
-    assert max(report["rope_energy_kept"]) < 0.99
+    assert max(report.rope_energy_kept) < 0.99
     assert rel_err(logits(tmp_path / "out2", SHORT), logits(lossy, SHORT)) > 1e-3

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from conftest import ROOT
 from mlaconv.cli import app
 from mlaconv.cli.inspect import spectra as spectra_command
 from mlaconv.calibrated import calibrated_layer_options
@@ -85,34 +86,34 @@ def test_mqa_spectrum_is_the_svd_of_the_balanced_values(tiny_model):
     src = tiny_model(kv_heads=1, head_dim=16, layers=2)
     report = spectra(str(src), SpectraOptions(rope_dim=16, energy_targets=(0.5, 0.9, 0.99, 1.0)))
     weights = load_file(src / "model.safetensors")
-    assert report["full_rank"] == 16 and report["ranks"] == [1, 2, 4, 8, 16]
-    for layer in report["layers"]:
-        prefix = f"model.layers.{layer['layer']}."
+    assert report.full_rank == 16 and report.ranks == [1, 2, 4, 8, 16]
+    for layer in report.layers:
+        prefix = f"model.layers.{layer.layer}."
         matrix = weights[prefix + "self_attn.v_proj.weight"].double() * weights[prefix + "input_layernorm.weight"].double()
         singular = torch.linalg.svdvals(matrix)
         energy = (singular**2).cumsum(0) / (singular**2).sum()
         # The balancing weight 1/‖V·diag(γ)‖ reaches the matrix rounded to float32 (latent_target), hence 1e-7.
-        torch.testing.assert_close(torch.tensor(layer["singular_values"], dtype=torch.float64), singular / matrix.norm(),
+        torch.testing.assert_close(torch.tensor(layer.singular_values, dtype=torch.float64), singular / matrix.norm(),
                                    rtol=1e-7, atol=0)
-        torch.testing.assert_close(torch.tensor(layer["normalised_spectrum"], dtype=torch.float64), singular / singular[0], rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(torch.tensor(layer["energy_curve"], dtype=torch.float64), energy, rtol=1e-10, atol=1e-12)
-        assert layer["energy_retained"] == pytest.approx([energy[r - 1].item() for r in report["ranks"]], abs=1e-12)
-        expected = [int((energy < t - 1e-12).sum()) + 1 for t in report["energy_targets"]]
-        assert layer["rank_for_energy"] == expected and expected[-1] == 16
-        assert layer["rope_energy_kept"] == pytest.approx(1.0)
+        torch.testing.assert_close(torch.tensor(layer.normalised_spectrum, dtype=torch.float64), singular / singular[0], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(torch.tensor(layer.energy_curve, dtype=torch.float64), energy, rtol=1e-10, atol=1e-12)
+        assert layer.energy_retained == pytest.approx([energy[r - 1].item() for r in report.ranks], abs=1e-12)
+        expected = [int((energy < t - 1e-12).sum()) + 1 for t in report.energy_targets]
+        assert layer.rank_for_energy == expected and expected[-1] == 16
+        assert layer.rope_energy_kept == pytest.approx(1.0)
 
 
 def test_energy_is_monotone_and_complete_at_full_rank(stories):
     report = spectra(str(stories), SpectraOptions(ranks=list(range(1, 57))))
-    assert report["full_rank"] == 56
-    for layer in report["layers"]:
-        energy = layer["energy_retained"]
+    assert report.full_rank == 56
+    for layer in report.layers:
+        energy = layer.energy_retained
         assert all(a <= b for a, b in zip(energy, energy[1:]))
         assert energy[-1] == pytest.approx(1.0, abs=1e-12)
-        assert energy == pytest.approx(layer["energy_curve"], abs=1e-15)
-        spectrum = layer["normalised_spectrum"]
+        assert energy == pytest.approx(layer.energy_curve, abs=1e-15)
+        spectrum = layer.normalised_spectrum
         assert spectrum[0] == 1.0 and all(a >= b for a, b in zip(spectrum, spectrum[1:]))
-        assert layer["rank_fraction_for_energy"] == [r / 56 for r in layer["rank_for_energy"]]
+        assert layer.rank_fraction_for_energy == [r / 56 for r in layer.rank_for_energy]
 
 
 def test_rank_for_energy_and_default_ranks():
@@ -171,9 +172,9 @@ def test_energy_is_the_optimal_truncation_measured_on_the_written_checkpoint(tin
         optimum = ((singular[:rank] ** 2).sum() / (singular**2).sum()).item()
         measured = relative_value_error(src, tmp_path / "out", i)
         assert 1 - measured == pytest.approx(optimum, abs=1e-6)
-        assert converted["energy_retained"]["per_layer"][i] == pytest.approx(optimum, abs=1e-6)
-        assert report["layers"][i]["energy_retained"][0] == pytest.approx(optimum, abs=1e-6)
-        assert converted["value_error"][i] == pytest.approx(measured, rel=1e-4)
+        assert converted.energy_retained.per_layer[i] == pytest.approx(optimum, abs=1e-6)
+        assert report.layers[i].energy_retained[0] == pytest.approx(optimum, abs=1e-6)
+        assert converted.value_error[i] == pytest.approx(measured, rel=1e-4)
         assert 0.05 < measured < 0.95  # a real truncation
 
 
@@ -185,18 +186,18 @@ def test_inspect_reports_what_convert_reports(model, tiny_model, stories, tmp_pa
         src, options = tiny_model(kv_heads=2, head_dim=16, layers=3, seed=3), {"rope_dim": 8}
     converted = run_convert(src, tmp_path / "out", rank=24, **options)
     report = spectra(str(src), SpectraOptions(ranks=[24], **options))
-    check_schema(report)
-    assert report["rope_stride"] == converted["rope_stride"]
-    assert report["qk_rope_head_dim"] == converted["qk_rope_head_dim"]
-    energy = [layer["energy_retained"][0] for layer in report["layers"]]
-    assert energy == pytest.approx(converted["energy_retained"]["per_layer"], abs=1e-12, rel=0)
-    assert [layer["rope_energy_kept"] for layer in report["layers"]] == pytest.approx(converted["rope_energy_kept"],
+    check_schema(report.to_json())
+    assert report.rope_stride == converted.rope_stride
+    assert report.qk_rope_head_dim == converted.qk_rope_head_dim
+    energy = [layer.energy_retained[0] for layer in report.layers]
+    assert energy == pytest.approx(converted.energy_retained.per_layer, abs=1e-12, rel=0)
+    assert [layer.rope_energy_kept for layer in report.layers] == pytest.approx(converted.rope_energy_kept,
                                                                                     abs=1e-12, rel=0)
-    for layer, per_frequency in zip(report["layers"], converted["rope_energy_kept_per_frequency"]):
-        assert layer["rope_energy_kept_per_frequency"] == pytest.approx(per_frequency, abs=1e-12, rel=0)
+    for layer, per_frequency in zip(report.layers, converted.rope_energy_kept_per_frequency):
+        assert layer.rope_energy_kept_per_frequency == pytest.approx(per_frequency, abs=1e-12, rel=0)
     # What convert reports about its values is what its written tensors do (measured from the files here).
-    measured = [relative_value_error(Path(src), tmp_path / "out", i) for i in range(report["num_layers"])]
-    assert converted["value_error"] == pytest.approx(measured, rel=1e-4, abs=1e-7)
+    measured = [relative_value_error(Path(src), tmp_path / "out", i) for i in range(report.num_layers)]
+    assert converted.value_error == pytest.approx(measured, rel=1e-4, abs=1e-7)
 
 
 def test_kv_keep_recommends_what_convert_picks(tiny_model, tmp_path):
@@ -204,13 +205,13 @@ def test_kv_keep_recommends_what_convert_picks(tiny_model, tmp_path):
     src = tiny_model(kv_heads=2, head_dim=16)
     converted = run_convert(src, tmp_path / "out", kv_keep=0.25)
     report = spectra(str(src), SpectraOptions(kv_keep=0.25, ranks=[2, 4]))
-    check_schema(report)
-    advice = report["recommendation"]
-    assert (advice["kv_lora_rank"], advice["qk_rope_head_dim"]) == (converted["kv_lora_rank"], converted["qk_rope_head_dim"])
-    assert advice["qk_rope_head_dim"] == report["qk_rope_head_dim"] == 8 < 16  # not the default min(64, d)
-    assert advice["kv_lora_rank"] in report["ranks"]
-    assert advice["energy_retained"] == pytest.approx(converted["energy_retained"]["per_layer"], abs=1e-12, rel=0)
-    assert advice["kv_keep_actual"] == pytest.approx(converted["kv_keep"])
+    check_schema(report.to_json())
+    advice = report.recommendation
+    assert (advice.kv_lora_rank, advice.qk_rope_head_dim) == (converted.kv_lora_rank, converted.qk_rope_head_dim)
+    assert advice.qk_rope_head_dim == report.qk_rope_head_dim == 8 < 16  # not the default min(64, d)
+    assert advice.kv_lora_rank in report.ranks
+    assert advice.energy_retained == pytest.approx(converted.energy_retained.per_layer, abs=1e-12, rel=0)
+    assert advice.kv_keep_actual == pytest.approx(converted.kv_keep)
 
 
 def test_calibration_hook_is_applied_as_in_convert(tiny_model):
@@ -227,19 +228,19 @@ def test_calibration_hook_is_applied_as_in_convert(tiny_model):
 
     calibrated = spectra(str(src), SpectraOptions(ranks=[12], rope_dim=8), stats_for_layer=stats_for_layer)
     plain = spectra(str(src), SpectraOptions(ranks=[12], rope_dim=8))
-    assert calls == [0, 1] and calibrated["mode"] == "calibrated" and plain["mode"] == "weights-only"
+    assert calls == [0, 1] and calibrated.mode == "calibrated" and plain.mode == "weights-only"
 
     _, spec, reader = load_source(str(src))
     shapes = plan_shapes(spec, 12, None, 8)
-    lopts = calibrated_layer_options(layer_options(spec, shapes, ConvertOptions(rope_stride=calibrated["rope_stride"])))
+    lopts = calibrated_layer_options(layer_options(spec, shapes, ConvertOptions(rope_stride=calibrated.rope_stride)))
     shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     expected = []
     for i in range(2):
         attention = read_attention(reader, spec, i)
         expected.append(convert_attention(attention, shape, lopts, stats_for_layer(i, attention))[1].energy_retained)
-    energy = [layer["energy_retained"][0] for layer in calibrated["layers"]]
+    energy = [layer.energy_retained[0] for layer in calibrated.layers]
     assert energy == pytest.approx(expected, abs=1e-12, rel=0)
-    assert energy != pytest.approx([layer["energy_retained"][0] for layer in plain["layers"]], abs=1e-3)
+    assert energy != pytest.approx([layer.energy_retained[0] for layer in plain.layers], abs=1e-3)
 
 
 def test_unrotation_loss_is_the_expected_score_error_over_the_attention_profile():
@@ -269,23 +270,23 @@ def test_spectra_show_what_the_shared_key_drops_for_mha_and_nothing_for_mqa(tiny
     """MQA with R = d keeps every rotation; MHA (n_kv = N) keeps one component of n_kv per frequency and loses
     the rest, the more so with fewer rope dims, and the mean-rotation stand-in recovers part of it."""
     mqa = spectra(str(tiny_model("mqa", kv_heads=1, head_dim=16, layers=2)), SpectraOptions(rope_dim=16))
-    for layer in mqa["layers"]:
-        assert layer["rope_score_loss"] == pytest.approx(0, abs=1e-12)
-        assert layer["rope_score_loss_without_mean_rotation"] == pytest.approx(0, abs=1e-12)
+    for layer in mqa.layers:
+        assert layer.rope_score_loss == pytest.approx(0, abs=1e-12)
+        assert layer.rope_score_loss_without_mean_rotation == pytest.approx(0, abs=1e-12)
     mha_src = tiny_model("mha", kv_heads=4, heads=4, head_dim=16, layers=2)
     wide, narrow = (spectra(str(mha_src), SpectraOptions(rope_dim=R, rope_stride=1)) for R in (16, 8))
-    check_schema(wide)
-    for full, half in zip(wide["layers"], narrow["layers"]):
-        assert 0 < full["rope_score_loss"] < half["rope_score_loss"] < 1
+    check_schema(wide.to_json())
+    for full, half in zip(wide.layers, narrow.layers):
+        assert 0 < full.rope_score_loss < half.rope_score_loss < 1
         for layer in (full, half):
-            assert layer["rope_score_loss"] < layer["rope_score_loss_without_mean_rotation"]
-            assert layer["rope_mean_rotation_recovers"] == pytest.approx(
-                1 - layer["rope_score_loss"] / layer["rope_score_loss_without_mean_rotation"])
-            assert sum(layer["rope_score_loss_per_frequency"]) == pytest.approx(layer["rope_score_loss"])
+            assert layer.rope_score_loss < layer.rope_score_loss_without_mean_rotation
+            assert layer.rope_mean_rotation_recovers == pytest.approx(
+                1 - layer.rope_score_loss / layer.rope_score_loss_without_mean_rotation)
+            assert sum(layer.rope_score_loss_per_frequency) == pytest.approx(layer.rope_score_loss)
         # R = 8 at stride 1 keeps pairs 0-3: the pairs it drops lose their whole key energy.
-        assert all(a < b for a, b in zip(full["rope_score_loss_per_frequency"][4:], half["rope_score_loss_per_frequency"][4:]))
-    assert wide["summary"]["rope_score_loss_mean"] == pytest.approx(
-        sum(layer["rope_score_loss"] for layer in wide["layers"]) / 2)
+        assert all(a < b for a, b in zip(full.rope_score_loss_per_frequency[4:], half.rope_score_loss_per_frequency[4:]))
+    assert wide.summary.rope_score_loss_mean == pytest.approx(
+        sum(layer.rope_score_loss for layer in wide.layers) / 2)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -310,13 +311,14 @@ def stories_report(stories):
 
 
 def test_json_has_the_documented_keys(stories_report):
-    check_schema(json.loads(json.dumps(stories_report)))
+    check_schema(json.loads(json.dumps(stories_report.to_json())))
     assert "docs/report.md" in spectra_command.__doc__  # where the help sends the reader for the keys
-    documented = (Path(__file__).resolve().parents[1] / "docs" / "report.md").read_text(encoding="utf-8")
+    documented = (ROOT / "docs" / "report.md").read_text(encoding="utf-8")
     for key in [*TOP_KEYS, *LAYER_KEYS, *SUMMARY_KEYS, *RECOMMENDATION_KEYS]:
         assert f"| `{key}` |" in documented, f"{key} is not documented in docs/report.md"
+    written = stories_report.to_json()
     with pytest.raises(AssertionError):  # the schema check can fail
-        check_schema({**stories_report, "summary": {**stories_report["summary"], "rope_energy_kept_min": None}})
+        check_schema({**written, "summary": {**written["summary"], "rope_energy_kept_min": None}})
 
 
 def test_plot_draws_one_curve_per_layer_and_writes_a_png(stories_report, tmp_path):
@@ -359,7 +361,7 @@ def test_csv_has_one_row_per_layer(stories_report, tmp_path):
     header = rows[0]
     assert header[0] == "layer" and "energy_at_rank_24" in header and "rank_for_energy_0.95" in header
     column = header.index("energy_at_rank_24")
-    assert [float(row[column]) for row in rows[1:]] == stories_report["recommendation"]["energy_retained"]
+    assert [float(row[column]) for row in rows[1:]] == stories_report.recommendation.energy_retained
 
 
 runner = CliRunner()
@@ -422,11 +424,11 @@ def test_calibrated_inspect_agrees_with_calibrated_convert(stories, tmp_path):
                                                                        calib_window=64, layer_search=False,
                                                                        refine_steps=0))
     report = spectra(str(stories), SpectraOptions(ranks=[24], calib=[str(calib)], calib_window=64))
-    check_schema(report)
-    assert report["mode"] == converted["mode"] == "calibrated"
-    assert report["window_sets"] == converted["calibration"]["window_sets"]
-    assert "plain calibrated variant" in report["shows"] and "measured on the audit windows" in report["shows"]
-    energy = [layer["energy_retained"][0] for layer in report["layers"]]
-    assert energy == pytest.approx(converted["energy_retained"]["per_layer"], abs=1e-12, rel=0)
-    in_sample = [layer["energy_curve"][23] for layer in report["layers"]]
+    check_schema(report.to_json())
+    assert report.mode == converted.mode == "calibrated"
+    assert report.window_sets == converted.calibration.window_sets
+    assert "plain calibrated variant" in report.shows and "measured on the audit windows" in report.shows
+    energy = [layer.energy_retained[0] for layer in report.layers]
+    assert energy == pytest.approx(converted.energy_retained.per_layer, abs=1e-12, rel=0)
+    in_sample = [layer.energy_curve[23] for layer in report.layers]
     assert min(abs(a - b) for a, b in zip(in_sample, energy)) > 1e-4

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -11,6 +11,9 @@ from mlaconv.options import ConvertOptions
 
 from mlaconv.conversion import convert
 from mlaconv.model_card import render_model_card, write_model_card
+from mlaconv.report import EvalReport
+from mlaconv.report.conversion import Agreement, Calibration, LayerFigures, Verification, WholeModel
+from mlaconv.report.record import Failure, WindowSets
 
 
 @pytest.fixture(scope="module")
@@ -30,23 +33,23 @@ def test_card_from_a_real_report(report, tmp_path):
     meta = front_matter(card)
     assert meta["library_name"] == "transformers" and meta["tags"] == ["mla", "deepseek_v3", "mlaconv"]
     assert "base_model" not in meta  # a local folder has no hub id
-    assert f"mlaconv {report['mlaconv_version']}" in card and str(report["source"]) in card
+    assert f"mlaconv {report.mlaconv_version}" in card and report.source in card
 
-    kv, kv_bytes = report["kv_elements_per_token_per_layer"], report["kv_bytes_per_token"]
-    assert f"| elements per layer | {kv['source']} | {kv['converted']} (r + R = 24 + 8) |" in card
-    assert f"| {kv_bytes['source']:,} | {kv_bytes['converted']:,} |" in card
+    kv, kv_bytes = report.kv_elements_per_token_per_layer, report.kv_bytes_per_token
+    assert f"| elements per layer | {kv.source} | {kv.converted} (r + R = 24 + 8) |" in card
+    assert f"| {kv_bytes.source:,} | {kv_bytes.converted:,} |" in card
     assert "50.0% of the source's" in card
-    for name, value in report["settings"].items():
+    for name, value in report.settings.items():
         assert f"| {name} |" in card, name
 
-    energy, rope_kept = report["energy_retained"]["per_layer"], report["rope_energy_kept"]
+    energy, rope_kept = report.energy_retained.per_layer, report.rope_energy_kept
     for i, (e, k) in enumerate(zip(energy, rope_kept)):
         assert f"| {i} | {e:.4f} | {k:.4f} |" in card
-    assert f"| **mean** | **{report['energy_retained']['mean']:.4f}** | **{report['rope_energy_kept_mean']:.4f}** |" in card
+    assert f"| **mean** | **{report.energy_retained.mean:.4f}** | **{report.rope_energy_kept_mean:.4f}** |" in card
 
-    check = report["verify"]
-    assert f"{check['kl']:.4g}" in card and f"{check['top1']:.2%}" in card and "16 tokens" in card
-    for warning in report["serving"]["warnings"]:
+    check = report.verify
+    assert f"{check.kl:.4g}" in card and f"{check.top1:.2%}" in card and "16 tokens" in card
+    for warning in report.serving.warnings:
         assert warning in card
     assert "| Triton MLA (vLLM, SGLang; any GPU): generic | yes |" in card
     assert "AutoModelForCausalLM.from_pretrained" in card and "trust_remote_code=True" not in card
@@ -57,13 +60,15 @@ def test_card_from_a_real_report(report, tmp_path):
 
 
 def test_card_names_the_hub_model_and_renders_an_evaluation(report):
-    report = copy.deepcopy(report)
-    report["source"] = "/cache/hub/models--Qwen--Qwen2.5-0.5B/snapshots/0123abcd"
-    report["source_revision"] = "0123abcd"
-    report["eval"] = {"data": "dataset wikitext:wikitext-2-raw-v1:test", "window": 2048, "windows": 140,
-                      "tokens": 286580, "dtype": "bfloat16", "ppl": 8.41, "ppl_stderr": None,
-                      "baseline_ppl": 6.85, "drift": 0.2277, "kl_per_token": 0.125, "top1_agreement": 0.81,
-                      "notes": ["ran one after the other"]}
+    evaluation = EvalReport(
+        model=report.output, baseline="/cache/hub/models--Qwen--Qwen2.5-0.5B/snapshots/0123abcd",
+        data="dataset wikitext:wikitext-2-raw-v1:test", tokenizer=None, window=2048, windows=140, tokens=286580,
+        stream_tokens=290000, dropped_tokens=3000, dtype="bfloat16", device="cpu", engine="transformers",
+        engine_differences=[], ppl=8.41, ppl_stderr=None, nll=2.13, nll_stderr=None, baseline_ppl=6.85,
+        baseline_ppl_stderr=None, drift=0.2277, kl_per_token=0.125, top1_agreement=0.81,
+        kv_elements_per_token={}, kv_bytes_per_token={}, notes=["ran one after the other"], seconds=1.0)
+    report = replace(report, source="/cache/hub/models--Qwen--Qwen2.5-0.5B/snapshots/0123abcd",
+                     source_revision="0123abcd", eval=evaluation)
     card = render_model_card(report)
     assert front_matter(card)["base_model"] == "Qwen/Qwen2.5-0.5B"
     assert "[Qwen/Qwen2.5-0.5B](https://huggingface.co/Qwen/Qwen2.5-0.5B) (revision `0123abcd`)" in card
@@ -74,27 +79,29 @@ def test_card_names_the_hub_model_and_renders_an_evaluation(report):
 
 @pytest.mark.parametrize("check, expected", [
     (None, "was not run"),
-    ({"skipped": "both models need 30 GiB"}, "was skipped: both models need 30 GiB"),
+    (Verification(skipped="both models need 30 GiB"), "was skipped: both models need 30 GiB"),
 ])
 def test_card_without_a_check(report, check, expected):
-    card = render_model_card({**report, "verify": check})
+    card = render_model_card(replace(report, verify=check))
     assert expected in card and "built-in check on" not in card
 
 
-def test_card_renders_an_evaluation_it_does_not_know(report):
-    card = render_model_card({**report, "eval": {"hellaswag": {"acc": 0.5, "acc_norm": 0.61}, "limit": 100}})
-    assert "### hellaswag" in card and "| acc_norm | 0.61 |" in card and "| limit | 100 |" in card
+def test_card_renders_a_failed_evaluation(report):
+    card = render_model_card(replace(report, eval=Failure("the evaluation failed: no such text file x.txt")))
+    assert "## Evaluation\n\n| key | value |\n|---|---|\n| error | the evaluation failed: no such text file x.txt |" in card
 
 
 def test_card_says_which_layers_were_refined(report):
-    calibrated = copy.deepcopy(report)
-    calibrated["mode"] = "calibrated"
-    calibrated["calibration"] = {"tokens": 4096, "windows": 16, "window": 256, "refine_steps": 200, "refinement": "default"}
-    calibrated["layer_variant"] = ["calibrated, refined", "calibrated", "weights-only, refined", "calibrated",
-                                   "calibrated, attention-weighted latent"]
-    calibrated["attention_error"] = [0.1] * 5
+    figures = LayerFigures(*[[None] * 5] * 6)
+    calibration = Calibration(windows=16, window=256, tokens=4096, window_sets=WindowSets([0] * 8, [1] * 4, [2] * 4, None),
+                              refine_steps=200, refine_batch=4, refinement="default", selection=[],
+                              closed_form=figures, refined=figures,
+                              whole_model=WholeModel(4, 1024, Agreement(0.1, 0.9), None, "closed form", "no layer was refined"))
+    calibrated = replace(report, mode="calibrated", calibration=calibration, attention_error=[0.1] * 5, layer_variant=[
+        "calibrated, refined", "calibrated", "weights-only, refined", "calibrated", "calibrated, attention-weighted latent"])
     card = render_model_card(calibrated)
-    assert "calibrated, on 4,096 calibration tokens (16 windows of 256), with 2 of 5 layers refined" in card
+    assert ("calibrated, on 4,096 calibration tokens (16 windows of 256: 8 to fit, 4 to select, 4 to audit; the window "
+            "indices are in `mlaconv.json`), with 2 of 5 layers refined") in card
     assert "not trained or fine-tuned afterwards" in card
     assert "refined" not in render_model_card(report).split("## KV cache")[0]
 
@@ -111,17 +118,16 @@ def test_card_of_a_calibrated_conversion(stories, tmp_path):
     report = convert(str(stories), tmp_path / "out", ConvertOptions(
         rank=24, verify=False, calib=[str(calib)], calib_window=96, calib_tokens=16 * 96, refine_steps=20, device="cpu"))
     card = (tmp_path / "out" / "README.md").read_text()
-    sets = report["calibration"]["window_sets"]
-    assert f"({16} windows of 96: {len(sets['fit'])} to fit, {len(sets['select'])} to select, 4 to audit;" in card
-    columns = zip(report["energy_retained"]["per_layer"], report["rope_energy_kept"], report["key_error"],
-                  report["value_error"], report["attention_error"], report["layer_variant"])
+    sets = report.calibration.window_sets
+    assert f"({16} windows of 96: {len(sets.fit)} to fit, {len(sets.select)} to select, 4 to audit;" in card
+    columns = zip(report.energy_retained.per_layer, report.rope_energy_kept, report.key_error, report.value_error,
+                  report.attention_error, report.layer_variant)
     for i, (energy, rope, key, value, attention, variant) in enumerate(columns):
         assert f"| {i} | {energy:.4f} | {rope:.4f} | {key:.4f} | {value:.4f} | {attention:.4f} | {variant} |" in card
-    whole = report["calibration"]["whole_model"]
-    assert f"Written: **{whole['written']}**, because {whole['reason']}." in card
-    for name in ("closed form", "refined"):
-        figures = whole[name]
-        written = " (written)" if name == whole["written"] else ""
-        row = f"| {name}{written} | {figures['kl']:.4g} | {figures['top1']:.2%} |" if figures else f"| {name} | — |"
+    whole = report.calibration.whole_model
+    assert f"Written: **{whole.written}**, because {whole.reason}." in card
+    for name, figures in (("closed form", whole.closed_form), ("refined", whole.refined)):
+        written = " (written)" if name == whole.written else ""
+        row = f"| {name}{written} | {figures.kl:.4g} | {figures.top1:.2%} |" if figures else f"| {name} | — |"
         assert row in card, row
     assert "measured on the audit windows" in card

@@ -128,7 +128,7 @@ def test_constant_norms_convert_exactly_through_the_public_loader(tmp_path):
     report = convert(str(src), tmp_path / "out", ConvertOptions(rank=32, rope_dim=32, verify=False, calib=[str(calib)],
                                                                 calib_window=32))
     assert type(load_causal_lm(tmp_path / "out")).__name__ == "DeepseekV3ForCausalLM"
-    assert max(report["attention_error"]) < 1e-8
+    assert max(report.attention_error) < 1e-8
     ids = tokens(2, 40, seed=6)
     theirs = logits(src, ids)
     assert ((logits(tmp_path / "out", ids) - theirs).abs().max() / theirs.abs().max()).item() <= 1e-4
@@ -141,10 +141,10 @@ def test_calibrated_conversion_is_measured_against_the_true_norms(tiny_model, tm
     calib = write_tokens(tmp_path / "calib.jsonl", tokens(8, 32, seed=7))
     report = convert(str(src), tmp_path / "out", ConvertOptions(rank=16, rope_dim=16, verify=False,
                                                                 calib=[str(calib)], calib_window=32))
-    assert report["architecture"] == "Qwen3" and report["mode"] == "calibrated"
-    assert all(1e-4 < error < 1 for error in report["attention_error"])
+    assert report.architecture == "Qwen3" and report.mode == "calibrated"
+    assert all(1e-4 < error < 1 for error in report.attention_error)
     assert any(w.startswith("the source's RMSNorm on each query and key head (QK-norm)") for w in
-               report["serving"]["warnings"])
+               report.serving.warnings)
     assert "QK-norm" in (tmp_path / "out" / "README.md").read_text()  # the model card says it too
     assert type(load_causal_lm(tmp_path / "out")).__name__ == "DeepseekV3ForCausalLM"
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import ROOT
 from mlaconv.arch import SourceSpec
 from mlaconv.options import ConvertOptions
 from mlaconv.conversion import convert
@@ -18,7 +19,6 @@ from mlaconv.plan import check_recipe, kv_cache_figures
 from mlaconv.options import load_recipe, merge_options
 from mlaconv.serving import kernel_fit
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 CONFIGS = ROOT / "tests" / "data" / "configs"
 REQUIRED = {"llama-2-7b", "llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.3", "qwen2.5-0.5b",
@@ -217,5 +217,5 @@ def test_kv_cache_block_matches_what_convert_reports(stories, tmp_path):
     check_recipe(recipe, SourceSpec.from_config(json.loads((stories / "config.json").read_text())))
     options = merge_options(recipe.options, {"verify": False, "rank": None})
     report = convert(str(stories), tmp_path / "out", ConvertOptions(**options))
-    assert report["kv_elements_per_token_per_layer"] == recipe.kv_cache["elements_per_token_per_layer"]
-    assert report["kv_bytes_per_token"] == recipe.kv_cache["bytes_per_token"]
+    assert report.kv_elements_per_token_per_layer.to_json() == recipe.kv_cache["elements_per_token_per_layer"]
+    assert report.kv_bytes_per_token.to_json() == recipe.kv_cache["bytes_per_token"]

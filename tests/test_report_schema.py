@@ -1,17 +1,22 @@
-"""docs/report.md lists every key of every report, once: checked against real reports of the three commands."""
+"""docs/report.md lists every key of every report, once: checked against real reports of the three commands, whose
+``to_json()`` objects ``from_json`` reads back into the same reports."""
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from mlaconv import ConvertOptions, SpectraOptions, TokenSource, convert, evaluate_perplexity, inspect_spectra
+from conftest import ROOT
+from mlaconv import (ConversionReport, ConvertOptions, EvalReport, SpectraOptions, SpectraReport, TokenSource, convert,
+                     evaluate_perplexity, inspect_spectra)
+from mlaconv.report.record import Failure
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "report.md"
+DOC = ROOT / "docs" / "report.md"
 HEADING = re.compile(r"^#+ `([\w.\[\]]+)`\s*$")
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+) \|")
 
@@ -66,26 +71,48 @@ def reports(tmp_path_factory):
 
 def test_convert_report_keys_are_documented(reports):
     converted, _ = reports
-    assert converted["mode"] == "calibrated" and converted["shape_search"]["candidates"]
-    check("convert", converted)
+    assert converted.mode == "calibrated" and converted.shape_search.candidates
+    written = converted.to_json()
+    check("convert", written)
     for section in ("target", "shape_search", "calibration", "verify"):
-        check(f"convert.{section}", converted[section])
-    check("convert.calibration.whole_model", converted["calibration"]["whole_model"])
-    check("eval", converted["eval"])
+        check(f"convert.{section}", written[section])
+    check("convert.calibration.whole_model", written["calibration"]["whole_model"])
+    check("eval", written["eval"])
 
 
 def test_spectra_report_keys_are_documented(reports):
     _, spectra = reports
-    check("spectra", spectra)
-    check("spectra.summary", spectra["summary"])
-    check("spectra.recommendation", spectra["recommendation"])
-    for layer in spectra["layers"]:
+    written = spectra.to_json()
+    check("spectra", written)
+    check("spectra.summary", written["summary"])
+    check("spectra.recommendation", written["recommendation"])
+    for layer in written["layers"]:
         check("spectra.layers[]", layer)
 
 
 def test_eval_report_keys_are_documented_without_a_baseline(reports, tmp_path):
     converted, _ = reports
     ids = write_ids(tmp_path / "ids.jsonl", 2, 32, 96, seed=3)
-    alone = evaluate_perplexity(converted["output"], source=TokenSource(tokens=ids))
-    assert alone["baseline"] is None
-    check("eval", alone)
+    alone = evaluate_perplexity(converted.output, source=TokenSource(tokens=ids))
+    assert alone.baseline is None
+    written = alone.to_json()
+    check("eval", written)
+    assert not [key for key in written if key.startswith("baseline_") or key in ("drift", "kv_kept")]
+    assert EvalReport.from_json(written) == alone
+
+
+def test_reports_read_back_from_json_as_they_were(reports, tmp_path):
+    """``from_json`` inverts ``to_json``: the written OUT/mlaconv.json, and each report through a JSON round trip."""
+    converted, spectra = reports
+    on_disk = json.loads((Path(converted.output) / "mlaconv.json").read_text())
+    assert on_disk == {key: value for key, value in json.loads(json.dumps(converted.to_json())).items()
+                       if key != "seconds"}
+    assert ConversionReport.from_json(on_disk) == replace(converted, seconds=None)
+    assert ConversionReport.from_json(json.loads(json.dumps(converted.to_json()))) == converted
+    assert SpectraReport.from_json(json.loads(json.dumps(spectra.to_json()))) == spectra
+    failed = replace(converted, verify=Failure("the built-in check failed: out of memory"), eval=None,
+                     extra={"note": "added by a caller"})
+    written = failed.to_json()
+    assert written["verify"] == {"error": "the built-in check failed: out of memory"} and "eval" not in written
+    assert list(written)[-2:] == ["note", "seconds"]
+    assert ConversionReport.from_json(written) == failed

@@ -6,7 +6,9 @@ import ast
 import re
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+from conftest import ROOT
+
+SRC = ROOT / "src"
 MAX_LINES = 400
 
 

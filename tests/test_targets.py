@@ -57,16 +57,16 @@ def test_portable_is_the_default_and_writes_no_biases(tiny_model, tmp_path):
     src = tiny_model(family="qwen2", kv_heads=2, head_dim=16)
     report = convert(str(src), tmp_path / "out", ConvertOptions(rank=48, rope_dim=16))
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert report["target"]["name"] == "portable" and config["attention_bias"] is False
+    assert report.target.name == "portable" and config["attention_bias"] is False
     assert not [n for n in tensor_names(tmp_path / "out") if n.endswith(".bias")]
-    assert report["target"]["biases_left_out"] == ["kv_a_proj_with_mqa.bias", "o_proj.bias"]
-    assert "--calib" in report["target"]["note"] and "--target transformers" in report["target"]["note"]
-    engines = report["verify"]["engines"]
+    assert report.target.biases_left_out == ["kv_a_proj_with_mqa.bias", "o_proj.bias"]
+    assert "--calib" in report.target.note and "--target transformers" in report.target.note
+    engines = report.verify.engines
     assert all(engines[name]["same_as"] == "transformers" for name in ("vllm", "sglang", "llamacpp"))
     # the cost of leaving the biases out is what transformers (and so every engine) measures
     kept = convert(str(src), tmp_path / "kept", ConvertOptions(rank=48, rope_dim=16, target="transformers"))
-    assert kept["verify"]["engines"]["vllm"]["kl"] == pytest.approx(report["verify"]["kl"], rel=1e-6)
-    assert report["verify"]["kl"] > kept["verify"]["kl"]
+    assert kept.verify.engines["vllm"]["kl"] == pytest.approx(report.verify.kl, rel=1e-6)
+    assert report.verify.kl > kept.verify.kl
 
 
 def test_unknown_target_is_refused_in_one_line(tiny_model, tmp_path):
@@ -94,7 +94,7 @@ def test_llama3_source_frequencies_vllm_uses_equal_the_converted_models(tiny_mod
     assert model.model.layers[0].self_attn.scaling == pytest.approx(64 ** -0.5)  # (d + R)^-½: no mscale
     source = rope.scaled_frequencies(10000.0, 32, LLAMA3)  # the source's llama3 ω, all 16 kept (R = d)
     gap = (served / source - 1).abs()
-    rewrite = report["target"]["rope_rewrite"]
+    rewrite = report.target.rope_rewrite
     assert rewrite["max_relative_frequency_gap"] == pytest.approx(gap.max().item(), rel=1e-6)
     assert rewrite["slots_differing"] == int((gap > 1e-9).sum()) < 16
     wavelength = 2 * math.pi / rope.source_frequencies(10000.0, 32)
@@ -102,7 +102,7 @@ def test_llama3_source_frequencies_vllm_uses_equal_the_converted_models(tiny_mod
     assert gap[outside].max() < 1e-12
     as_is = vllm_frequencies({**config, "rope_scaling": LLAMA3})  # vLLM on the llama3 config itself
     assert gap.max() < (as_is / source - 1).abs().max()
-    engines = report["verify"]["engines"]
+    engines = report.verify.engines
     assert engines["vllm"]["same_as"] == "transformers" and engines["sglang"]["same_as"] == "transformers"
     assert "rope_type 'yarn'" in engines["llamacpp"]["refused"]
 
@@ -110,11 +110,11 @@ def test_llama3_source_frequencies_vllm_uses_equal_the_converted_models(tiny_mod
 def test_llama3_for_transformers_keeps_llama3_and_vllm_figures_differ(tiny_model, tmp_path):
     src = tiny_model(kv_heads=1, head_dim=16, rope_scaling=dict(LLAMA3))
     report = convert(str(src), tmp_path / "out", ConvertOptions(rank=16, rope_dim=16, target="transformers"))
-    assert report["target"]["rope_rewrite"] is None
-    vllm = report["verify"]["engines"]["vllm"]
+    assert report.target.rope_rewrite is None
+    vllm = report.verify.engines["vllm"]
     assert any(d.startswith("rope frequencies differ") for d in vllm["differences"])
     assert any(d.startswith("cos/sin scale") for d in vllm["differences"])
-    assert vllm["kl"] > report["verify"]["kl"]
+    assert vllm["kl"] > report.verify.kl
 
 
 def write_tokens(path, rows: int, length: int, seed: int):
@@ -132,10 +132,10 @@ def test_calibrated_portable_refits_without_biases(tiny_model, tmp_path):
                              refine_steps=30, refine_batch=4, refine_check_every=5)
     report = convert(str(src), tmp_path / "out", options)
     assert not [n for n in tensor_names(tmp_path / "out") if n.endswith(".bias")]
-    assert "re-fitted" in report["target"]["note"] and "folded" in report["target"]["note"]
-    refinements = [s["refinement"] for s in report["calibration"]["selection"]]
-    assert any(r["kept"] and r["after"] < r["before"] for r in refinements)
-    assert report["verify"]["engines"]["vllm"]["same_as"] == "transformers"
+    assert "re-fitted" in report.target.note and "folded" in report.target.note
+    refinements = [s.refinement for s in report.calibration.selection]
+    assert any(r.kept and r.after < r.before for r in refinements)
+    assert report.verify.engines["vllm"]["same_as"] == "transformers"
 
 
 def test_bias_fold_is_exact_when_the_input_has_a_constant_direction():

@@ -3,7 +3,7 @@
 The Python API (the README shows it at work)::
 
     from mlaconv import ConvertOptions, convert
-    report = convert("examples/llama-docs", "out/mla", ConvertOptions(kv_keep=0.5))
+    report = convert("examples/llama-docs", "out/mla", ConvertOptions(kv_keep=0.5))  # a ConversionReport
 
 Names are imported on first use, so ``import mlaconv`` stays light.
 """
@@ -23,6 +23,9 @@ _API = {  # public name → (module, attribute)
     "TokenSource": ("mlaconv.io.text", "TokenSource"),
     "export_gguf": ("mlaconv.io.gguf", "export_gguf"),
     "MlaconvError": ("mlaconv.errors", "MlaconvError"),
+    "ConversionReport": ("mlaconv.report", "ConversionReport"),
+    "SpectraReport": ("mlaconv.report", "SpectraReport"),
+    "EvalReport": ("mlaconv.report", "EvalReport"),
 }
 __all__ = ["__version__", *_API]
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from mlaconv.errors import MlaconvError
+from mlaconv.models import DTYPES
 from mlaconv.families import EMBED, FINAL_NORM, LM_HEAD, BiasRule, Family, Granite, Phi3, SmolLM3, layer_name
 from mlaconv.mla import rope
 
@@ -257,7 +258,9 @@ def _check_sliding_window(family: Family, config: dict, allow: bool) -> None:
         return
     if family.sliding_window_flag is not None and not config.get(family.sliding_window_flag, False):
         return
-    if int(window) >= int(config.get("max_position_embeddings", 0) or 0):
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise MlaconvError(f"config.json: sliding_window = {window!r} is not a positive integer")
+    if window >= int(config.get("max_position_embeddings", 0) or 0):
         return
     if not allow:
         raise MlaconvError(
@@ -275,12 +278,13 @@ def rope_settings(config: dict) -> tuple[float, dict | None]:
         theta = params["rope_theta"]
         scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
     else:
-        theta = config.get("rope_theta")
-        theta = 10000.0 if theta is None else theta
         scaling = config.get("rope_scaling") or None
         if scaling is not None and not isinstance(scaling, dict):
             raise MlaconvError(f"config.json: rope_scaling = {scaling!r} is not a mapping")
-        scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"} if scaling else None
+        # transformers 5 also writes rope_theta inside rope_scaling; left there it would override the output's θ
+        theta = config.get("rope_theta", (scaling or {}).get("rope_theta"))
+        theta = 10000.0 if theta is None else theta
+        scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")} if scaling else None
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise MlaconvError(f"config.json: rope_theta = {theta!r} is not a positive number")
     theta = float(theta)
@@ -323,6 +327,8 @@ def _longrope(config: dict, scaling: dict) -> dict:
 
 
 def _dtype(config: dict) -> torch.dtype:
-    name = config.get("torch_dtype") or config.get("dtype") or "float32"
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-    return table.get(str(name).replace("torch.", ""), torch.float32)
+    name = str(config.get("torch_dtype") or config.get("dtype") or "float32").replace("torch.", "")
+    table = {**DTYPES, "float64": torch.float64}
+    if name not in table:
+        raise MlaconvError(f"config.json: dtype {name!r} is not one mlaconv reads (float32, bfloat16, float16, float64)")
+    return table[name]

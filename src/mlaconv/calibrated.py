@@ -24,6 +24,9 @@ from mlaconv.mla.attention import assemble, convert_attention, factor_attention,
 from mlaconv.mla.layer import LayerOptions, LayerReport, MLAAttention
 from mlaconv.mla.refine import CHECK_EVERY, REFINE_LR, refine, refinement_flops
 from mlaconv.progress import Progress, no_progress
+from mlaconv.report.conversion import (Agreement, Calibration, LayerFigures, LayerSelection, RefinementOutcome,
+                                       ShapeSearch, SplitCandidate, WholeModel)
+from mlaconv.report.record import WindowSets
 
 DEFAULT_REFINE_STEPS = 75  # at REFINE_LR; 200 steps at 3e-3 before issue 16 (bench/README.md)
 DEFAULT_REFINE_BATCH = 4  # calibration windows per refinement step
@@ -86,7 +89,7 @@ def layer_run(spec, layer: LayerOptions, length: int) -> MLARun:
 
 
 def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
-                  progress: Progress = no_progress) -> tuple[Plan, dict]:
+                  progress: Progress = no_progress) -> tuple[Plan, ShapeSearch]:
     """Choose the (r, R) split of a --kv-keep budget by the attention error it measures on the select windows.
 
     One streamed pass over a few fit windows (which the factorizations use) and the select windows (which
@@ -99,7 +102,7 @@ def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
     if not candidates:
         raise MlaconvError(f"--rope-stride {options.rope_stride} fits none of the rope dims this budget allows")
     if len(candidates) == 1 and candidates[0] == plan.shapes:
-        return plan, {"candidates": [], "chosen": None}
+        return plan, ShapeSearch([], None)
     spec = plan.spec
     strides = ({c.rope_dim: plan.layer.rope_stride for c in candidates} if plan.layer.rope_stride is not None else
                rope_strides(plan, [c.rope_dim for c in candidates], progress))
@@ -117,14 +120,12 @@ def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
             errors[c] += streamer.attention_error(source.index, source.attention, mla, run.rank, run.rope_dim,
                                                   run.slot_frequencies, run.residual_scale, windows="select")
     best = min(candidates, key=lambda c: errors[c])
-    table = [{"kv_lora_rank": c.rank, "qk_rope_head_dim": c.rope_dim, "mean_attention_error": errors[c] / spec.num_layers}
-             for c in candidates]
+    table = [SplitCandidate(c.rank, c.rope_dim, errors[c] / spec.num_layers) for c in candidates]
     reason = (f"{best.rank} + {best.rope_dim} of a budget of {int(options.kv_keep * spec.kv_elements_per_token_per_layer)}"
               f" elements: the least mean attention error ({errors[best] / spec.num_layers:.4f}) of "
               f"{len(candidates)} splits, factored on {len(fit)} fit windows and measured on {len(select)} select windows")
     chosen = Shapes(rank=best.rank, rope_dim=best.rope_dim, reason=reason)
-    return replace(plan, shapes=chosen, layer=layers[best]), {"candidates": table, "chosen": reason,
-                                                              "windows": {"fit": fit, "select": select}}
+    return replace(plan, shapes=chosen, layer=layers[best]), ShapeSearch(table, reason, {"fit": fit, "select": select})
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ class LayerRecord:
 
     closed: LayerReport  # the closed form kept on the select windows
     refined: LayerReport | None  # the refined layer, when refinement ran and beat the closed form there
-    selection: dict  # what the select windows measured: each variant's attention error, the refinement's
+    selection: LayerSelection  # what the select windows measured
 
 
 @dataclass
@@ -229,14 +230,14 @@ def calibrate_layer(source: SourceLayer, plan: Plan, search: bool = True, refine
         if best is None or measured[label] < measured[best[0]]:
             best = (label, latent, mla, replace(report, variant=label))
     label, latent, closed, report = best
-    selection = {"variants": measured, "kept": label, "refinement": None}
+    selection = LayerSelection(measured, label)
     layer_result = CalibratedLayer(closed, None, LayerRecord(audited(latent, closed, report), None, selection))
     if refinement is not None and refinement.steps:
         train, select = streamer.refinement_data(i, src, refine_windows)
         result = refine(latent, plan.shape, run.rope_dim, run.slot_frequencies, train, select, steps=refinement.steps,
                         batch=refinement.batch, check_every=refinement.check_every, lr=refinement.lr)
         kept = result.after < result.before
-        selection["refinement"] = {"before": result.before, "after": result.after, "kept": kept}
+        selection.refinement = RefinementOutcome(result.before, result.after, kept)
         if kept:
             refined, bound = assemble(result.latent, plan.shape, layer, src.input_norm, stats.metric)
             layer_result.refined = refined
@@ -281,7 +282,7 @@ class CalibratedSteps:
     def reports(self) -> list[LayerReport]:
         return [r.refined if self.written == REFINED and r.refined is not None else r.closed for r in self.records]
 
-    def report(self) -> dict:
+    def report(self) -> Calibration:
         return calibration_report(self.streamer, self.refinement, self.records, self.agreement, self.written,
                                   self.reason)
 
@@ -298,31 +299,33 @@ def written_model(agreement: dict[str, dict[str, float]]) -> tuple[str, str]:
                     f"{closed:.4g}), so every layer is written in closed form")
 
 
-def layer_figures(reports: list[LayerReport | None]) -> dict:
+def layer_figures(reports: list[LayerReport | None]) -> LayerFigures:
     """Per-layer audit figures of one whole model (None where it has no layer of its own)."""
     def column(name: str) -> list:
         return [getattr(r, name) if r is not None else None for r in reports]
 
-    return {"attention_error": column("attention_error"), "energy_retained": column("energy_retained"),
-            "key_error": column("key_error"), "value_error": column("value_error"), "layer_variant": column("variant"),
-            "objective_retained": column("objective_retained")}
+    return LayerFigures(column("attention_error"), column("energy_retained"), column("key_error"),
+                        column("value_error"), column("variant"), column("objective_retained"))
 
 
 def calibration_report(streamer: SourceStreamer, refinement: RefinementPlan, layers: list[LayerRecord],
-                       agreement: dict, written: str, reason: str) -> dict:
+                       agreement: dict, written: str, reason: str) -> Calibration:
     """The report's ``calibration`` section: the window sets, what was chosen on the select windows, and the audit
     figures of both whole models."""
     split = streamer.split
     windows, window = streamer.options.tokens.shape
-    return {
-        "windows": windows, "window": window, "tokens": streamer.token_count,
-        "window_sets": {"fit": list(split.fit), "select": list(split.select), "audit": list(split.audit),
-                        "note": split.note},
-        "refine_steps": refinement.steps, "refine_batch": refinement.batch, "refinement": refinement.note,
-        "selection": [layer.selection for layer in layers],
-        "closed_form": layer_figures([layer.closed for layer in layers]),
-        "refined": layer_figures([layer.refined for layer in layers]),
-        "whole_model": {"windows": len(split.audit), "tokens": len(split.audit) * window,
-                        CLOSED: agreement[CLOSED], REFINED: agreement.get(REFINED),
-                        "written": written, "reason": reason},
-    }
+    refined = agreement.get(REFINED)
+    return Calibration(
+        windows=windows, window=window, tokens=streamer.token_count, window_sets=window_sets(split),
+        refine_steps=refinement.steps, refine_batch=refinement.batch, refinement=refinement.note,
+        selection=[layer.selection for layer in layers],
+        closed_form=layer_figures([layer.closed for layer in layers]),
+        refined=layer_figures([layer.refined for layer in layers]),
+        whole_model=WholeModel(len(split.audit), len(split.audit) * window, Agreement(**agreement[CLOSED]),
+                               Agreement(**refined) if refined else None, written, reason),
+    )
+
+
+def window_sets(split: WindowSplit) -> WindowSets:
+    """The window indices of ``split``, for a report."""
+    return WindowSets(list(split.fit), list(split.select), list(split.audit), split.note)

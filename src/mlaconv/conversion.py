@@ -16,29 +16,41 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing, nullcontext
+from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol, TypeVar
 
 import torch
+import transformers
 
+from mlaconv import __version__
+from mlaconv.arch import SourceSpec
+from mlaconv.engines import BIASES
 from mlaconv.errors import MlaconvError
 from mlaconv.evaluate import evaluate_perplexity
 from mlaconv.io import ShardedWriter, atomic_output_dir, check_free_space, check_output_target
 from mlaconv.io.heap import heap_reuse
 from mlaconv.io.layout import LayerWriter, copy_tokenizer
 from mlaconv.mla.attention import convert_attention
+from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 from mlaconv.mla.layer import LayerReport, MLAAttention, SourceAttention
 from mlaconv.model_card import write_model_card
 from mlaconv.options import ConvertOptions
 from mlaconv.pipeline import SourceLayer, source_layers
-from mlaconv.plan import (Plan, estimate_output_bytes, eval_source, output_config, output_dtype, plan_conversion,
-                          with_rope_stride)
+from mlaconv.plan import (Plan, Shapes, estimate_output_bytes, eval_source, kv_cache_figures, output_config,
+                          output_dtype, plan_conversion, with_rope_stride)
 from mlaconv.progress import Progress, no_progress
-from mlaconv.report import conversion_report
+from mlaconv.report import ConversionReport, EvalReport
+from mlaconv.report.conversion import Absorbed, EnergyFigures, KVFigures, LatentNorm, SourceShape, TargetReport
+from mlaconv.report.record import Failure
+from mlaconv.serving import serving_notes
 from mlaconv.targets import target_report
 
 WRITE_AHEAD_BYTES = 64 * 2**20  # tensors waiting for the writer's thread, at most (or one larger)
 LAYER_MEMORY = 2**30  # weights only: a second layer is factored at once only below this working set
+
+
+Checked = TypeVar("Checked")
 
 
 class LayerStep(Protocol):
@@ -120,8 +132,8 @@ def layer_workers(plan: Plan) -> int:
     return 2 if spare_core() and working_set <= LAYER_MEMORY else 1
 
 
-def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = no_progress) -> dict:
-    """Convert ``source`` into an MLA checkpoint at ``out``; return the report (a JSON-able dict)."""
+def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = no_progress) -> ConversionReport:
+    """Convert ``source`` into an MLA checkpoint at ``out``; return the report (``to_json()``: OUT/mlaconv.json)."""
     started = time.perf_counter()
     out = Path(out)
     plan = plan_conversion(source, options)
@@ -174,51 +186,104 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
 
         source_id = None if Path(source).expanduser().exists() else source  # a hub id, not a local path
         report = conversion_report(spec, plan.shapes, config, step.reports, out, source_id, folder, dtype,
-                                   plan.layer.residual_scale, options, copied)
-        report["target"] = target_report(options.target, step.reports, rope_rewrite, options.calibrated)
-        if shape_search:
-            report["shape_search"] = shape_search
+                                   plan.layer.residual_scale, options, copied,
+                                   target_report(options.target, step.reports, rope_rewrite, options.calibrated))
+        report.shape_search = shape_search
         if streamer:
-            report["mode"] = "calibrated"
-            report["calibration"] = step.report()
+            report.mode = "calibrated"
+            report.calibration = step.report()
         if options.verify:
             from mlaconv.verify import verify
 
-            report["verify"] = _after_conversion(
+            report.verify = _after_conversion(
                 lambda: verify(folder, tmp, spec, windows=options.verify_windows, window=options.verify_window),
                 "the built-in check")
-        else:
-            report["verify"] = None
         if options.evaluated:
-            report["eval"] = _after_conversion(lambda: _evaluate(tmp, folder, out, options, progress),
-                                               "the evaluation")
+            report.eval = _after_conversion(lambda: _evaluate(tmp, folder, out, options, progress), "the evaluation")
         if options.absorbed:
             from mlaconv.absorb import write_absorbed
 
             manifest = write_absorbed(tmp, shard_size=options.shard_size)
-            report["absorbed"] = {"folder": str(out / "absorbed"), "tensors": len(manifest["tensors"]),
-                                  "max_relative_nonlinearity": manifest["latent_norm"]["max_relative_nonlinearity"]}
-        report.update(options.extra_report)
-        (tmp / "mlaconv.json").write_text(json.dumps(report, indent=2) + "\n")
+            report.absorbed = Absorbed(str(out / "absorbed"), len(manifest["tensors"]),
+                                       manifest["latent_norm"]["max_relative_nonlinearity"])
+        report.extra = options.extra_report
+        (tmp / "mlaconv.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
         write_model_card(tmp, report)
-    report["seconds"] = round(time.perf_counter() - started, 3)
+    report.seconds = round(time.perf_counter() - started, 3)
     return report
 
 
-def _after_conversion(check: Callable[[], dict], what: str) -> dict:
+def _after_conversion(check: Callable[[], Checked], what: str) -> Checked | Failure:
     """Run a check of the finished checkpoint; its failure is reported, never allowed to discard OUT."""
     try:
         return check()
     except MlaconvError as exc:
-        return {"error": f"{what} failed: {exc}"}
+        return Failure(f"{what} failed: {exc}")
     except Exception as exc:  # a bug in a check must not cost the user the conversion
-        return {"error": f"{what} failed unexpectedly: {type(exc).__name__}: {exc}"}
+        return Failure(f"{what} failed unexpectedly: {type(exc).__name__}: {exc}")
 
 
-def _evaluate(converted: Path, source: Path, out: Path, options: ConvertOptions, progress: Progress) -> dict:
+def _evaluate(converted: Path, source: Path, out: Path, options: ConvertOptions, progress: Progress) -> EvalReport:
     """``mlaconv eval perplexity`` of the fresh conversion against its source (same code path)."""
     result = evaluate_perplexity(converted, source, source=eval_source(options), window=options.eval_window,
                                  max_windows=options.eval_max_windows, batch_size=options.eval_batch_size,
                                  device=options.device if options.device != "cpu" else None, progress=progress)
-    result["model"] = str(out)
+    result.model = str(out)
     return result
+
+
+def conversion_report(spec: SourceSpec, shapes: Shapes, config: dict, reports: list[LayerReport], out: Path,
+                      source_id: str | None, source: Path, dtype: torch.dtype, residual_scale: float,
+                      options: ConvertOptions, copied: list[str], target: TargetReport) -> ConversionReport:
+    """The report's top-level figures of the written layers (``reports``); the optional sections come after."""
+    kv = kv_cache_figures(spec, shapes, dtype)
+    energy = [r.energy_retained for r in reports]
+    rope_kept = [r.rope_energy_kept for r in reports]
+    dropped = sorted({b for r in reports for b in r.dropped_bias} - set(BIASES))  # no stack holds these; the
+    # biases a target leaves out are in the report's target
+    return ConversionReport(
+        mlaconv_version=__version__,
+        transformers_version=transformers.__version__,
+        output=str(out),
+        source=str(source),
+        source_id=source_id,
+        source_revision=source.name if source.parent.name == "snapshots" else None,
+        settings={k: v for k, v in asdict(options).items() if k not in ("extra_report", "force")},
+        architecture=spec.family.label,
+        source_shape=SourceShape(spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                 spec.rotary_dim, [i for i, rotated in enumerate(spec.rope_layers) if not rotated]),
+        recipe=options.recipe,
+        mode="weights-only",
+        dtype=str(dtype).replace("torch.", ""),
+        kv_lora_rank=shapes.rank,
+        qk_rope_head_dim=shapes.rope_dim,
+        qk_nope_head_dim=spec.head_dim,
+        v_head_dim=spec.head_dim,
+        shape_choice=shapes.reason,
+        rope_theta=config["rope_theta"],
+        rope_stride=reports[0].rope_stride,
+        kv_elements_per_token_per_layer=KVFigures(**kv["elements_per_token_per_layer"]),
+        kv_bytes_per_token=KVFigures(**kv["bytes_per_token"]),
+        kv_keep=(shapes.rank + shapes.rope_dim) / spec.kv_elements_per_token_per_layer,
+        energy_retained=EnergyFigures(energy, _mean(energy)),
+        rope_energy_kept=rope_kept,
+        rope_energy_kept_mean=_mean(rope_kept),
+        rope_energy_kept_per_frequency=[r.rope_energy_kept_per_frequency for r in reports],
+        rope_loss_weighted_kept=[r.rope_loss_weighted_kept for r in reports],
+        key_error=[r.key_error for r in reports],
+        attention_error=[r.attention_error for r in reports],
+        layer_variant=[r.variant for r in reports],
+        value_error=[r.value_error for r in reports],
+        objective_retained=[r.objective_retained for r in reports],
+        latent_norm=LatentNorm(LATENT_NORM_EPS, options.delta, max(r.latent_bound for r in reports)),
+        residual_scale=residual_scale,
+        source_rms_norm_eps=spec.rms_norm_eps,
+        dropped_bias=dropped,
+        tokenizer_files=copied,
+        serving=serving_notes(spec, config, dropped),
+        target=target,
+    )
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")

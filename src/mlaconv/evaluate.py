@@ -30,6 +30,7 @@ from mlaconv.io import read_config, resolve_source
 from mlaconv.io.text import TokenSource, cut_windows, load_eval_tokens
 from mlaconv.models import (DTYPES, available_memory_bytes, check_device, kv_cache_bytes_per_token, kv_cache_elements,
                             load_causal_lm, parameter_bytes, refuse_float16_mla)
+from mlaconv.report import EvalReport
 
 DEFAULT_WINDOW = 2048
 # Rows × vocab of logits turned into float32 log-probabilities at once (64 MiB per model).
@@ -94,8 +95,8 @@ def score_windows(model, windows: Sequence[torch.Tensor], batch_size: int = 1, b
 def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *, source: TokenSource,
                         window: int | None = None, max_windows: int | None = None, batch_size: int = 1,
                         dtype: str = "float32", device: str | None = None, device_map: str | None = None,
-                        progress: Progress = no_progress, engine: str = "transformers") -> dict:
-    """WikiText-style perplexity of ``model`` (and ``baseline`` on the same windows); a JSON-able report.
+                        progress: Progress = no_progress, engine: str = "transformers") -> EvalReport:
+    """WikiText-style perplexity of ``model`` (and ``baseline`` on the same windows), as a report.
 
     ``window`` defaults to 2048 or the shortest context of the models if that is less. Both models are
     loaded together when they fit in the memory of ``device`` (or of all GPUs with ``device_map``);
@@ -144,29 +145,28 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
         if note:
             notes.append(note)
 
-    report = {
-        "model": str(folders.model),
-        "baseline": str(folders.baseline) if folders.baseline else None,
-        "data": tokens.source,
-        "tokenizer": tokens.tokenizer,
-        "window": window,
-        "windows": len(windows),
-        "tokens": int(scores.predictions.sum().item()),
-        "stream_tokens": stream_tokens,
-        "dropped_tokens": stream_tokens - windowed_tokens,
-        "dtype": dtype,
-        "device": f"device_map={device_map}" if device_map else device or "cpu",
-        "engine": engine,
-        "engine_differences": differences,
-        **_perplexity(scores.nll, scores.predictions, prefix=""),
-    }
+    figures = _perplexity(scores.nll, scores.predictions, prefix="")
     if scores.baseline_nll is not None:
-        report |= _perplexity(scores.baseline_nll, scores.predictions, prefix="baseline_")
-        report |= _comparison(scores)
-    report |= _kv_cache(folders, torch_dtype)
-    report["notes"] = notes
-    report["seconds"] = round(time.perf_counter() - started, 2)
-    return report
+        figures |= _perplexity(scores.baseline_nll, scores.predictions, prefix="baseline_") | _comparison(scores)
+    return EvalReport(
+        model=str(folders.model),
+        baseline=str(folders.baseline) if folders.baseline else None,
+        data=tokens.source,
+        tokenizer=tokens.tokenizer,
+        window=window,
+        windows=len(windows),
+        tokens=int(scores.predictions.sum().item()),
+        stream_tokens=stream_tokens,
+        dropped_tokens=stream_tokens - windowed_tokens,
+        dtype=dtype,
+        device=f"device_map={device_map}" if device_map else device or "cpu",
+        engine=engine,
+        engine_differences=differences,
+        **figures,
+        **_kv_cache(folders, torch_dtype),
+        notes=notes,
+        seconds=round(time.perf_counter() - started, 2),
+    )
 
 
 def _score_pair(folders: _Models, windows: list[torch.Tensor], batch_size: int, dtype: torch.dtype,

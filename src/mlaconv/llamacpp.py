@@ -60,15 +60,16 @@ class Engine:
 
 @contextmanager
 def open_engine(path: Path, n_ctx: int, *, n_batch: int = 512, f32_cache: bool = True, threads: int | None = None,
-                logits_all: bool = True, n_seq_max: int = 1) -> Iterator[Engine]:
-    """Load ``path`` in llama.cpp (CPU) and yield an ``Engine``; closed on exit."""
+                logits_all: bool = True) -> Iterator[Engine]:
+    """Load ``path`` in llama.cpp (CPU) with one sequence and yield an ``Engine``; closed on exit. (``Llama`` takes
+    no ``n_seq_max``: for parallel sequences see ``bench/engines.py``, which builds the context itself.)"""
     llama_cpp = _llama_cpp()
     log: list[str] = []
     with capture_log(log):
         llm = llama_cpp.Llama(
             str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, logits_all=logits_all, verbose=False,
             type_k=GGML_TYPE_F32 if f32_cache else None, type_v=GGML_TYPE_F32 if f32_cache else None,
-            n_threads=threads, n_threads_batch=threads, n_seq_max=n_seq_max,
+            n_threads=threads, n_threads_batch=threads,
         )
     try:
         yield Engine(llm, log)

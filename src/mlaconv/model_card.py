@@ -15,6 +15,10 @@ from pathlib import Path
 
 import yaml
 
+from mlaconv.report import ConversionReport, EvalReport
+from mlaconv.report.conversion import Calibration, Verification
+from mlaconv.report.record import Failure
+
 # The Hugging Face cache keeps a hub model in .../models--ORG--NAME/snapshots/REVISION.
 _HUB_CACHE_FOLDER = re.compile(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots[/\\]")
 KERNELS = {
@@ -28,30 +32,30 @@ KERNELS = {
 STACKS = {"transformers": "transformers", "vllm": "vLLM", "sglang": "SGLang"}
 
 
-def write_model_card(folder: Path, report: dict) -> None:
+def write_model_card(folder: Path, report: ConversionReport) -> None:
     """Write ``folder/README.md`` describing the converted checkpoint that ``report`` describes."""
     (Path(folder) / "README.md").write_text(render_model_card(report), encoding="utf-8")
 
 
-def render_model_card(report: dict) -> str:
+def render_model_card(report: ConversionReport) -> str:
     """The model card as Markdown text."""
     sections = [
         _front_matter(report), _introduction(report), _kv_cache(report), _settings(report), _per_layer(report),
-        _whole_model(report.get("calibration")), _verification(report.get("verify")), _evaluation(report.get("eval")), _serving(report),
+        _whole_model(report.calibration), _verification(report.verify), _evaluation(report.eval), _serving(report),
         _usage(report), _quality(report),
     ]
     return "\n\n".join(section for section in sections if section) + "\n"
 
 
-def hub_id(report: dict) -> str | None:
+def hub_id(report: ConversionReport) -> str | None:
     """The source's hub id: ``source_id`` when the report has it, else read off a HF-cache path."""
-    if report.get("source_id"):
-        return report["source_id"]
-    match = _HUB_CACHE_FOLDER.search(str(report.get("source", "")))
+    if report.source_id:
+        return report.source_id
+    match = _HUB_CACHE_FOLDER.search(report.source)
     return f"{match[1]}/{match[2]}" if match else None
 
 
-def _front_matter(report: dict) -> str:
+def _front_matter(report: ConversionReport) -> str:
     meta = {"library_name": "transformers", "tags": ["mla", "deepseek_v3", "mlaconv"]}
     base = hub_id(report)
     if base:
@@ -59,89 +63,84 @@ def _front_matter(report: dict) -> str:
     return "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---"
 
 
-def _introduction(report: dict) -> str:
+def _introduction(report: ConversionReport) -> str:
     base = hub_id(report)
-    source = f"[{base}](https://huggingface.co/{base})" if base else f"`{report.get('source')}`"
-    revision = report.get("source_revision") or report.get("settings", {}).get("revision")
-    mode = report.get("mode", "weights-only")
-    calibration = report.get("calibration")
-    how = "weights only (no calibration data)" if mode == "weights-only" else mode
+    source = f"[{base}](https://huggingface.co/{base})" if base else f"`{report.source}`"
+    revision = report.source_revision or report.settings.get("revision")
+    calibration = report.calibration
+    how = "weights only (no calibration data)" if report.mode == "weights-only" else report.mode
     if calibration:
-        how += (f", on {calibration['tokens']:,} calibration tokens ({calibration['windows']} windows of "
-                f"{calibration['window']}")
-        sets = calibration.get("window_sets")
-        if sets:
-            how += (f": {len(sets['fit'])} to fit, {len(sets['select'])} to select, {len(sets['audit'])} to audit; "
-                    "the window indices are in `mlaconv.json`")
-        how += ")"
-        refined = sum("refined" in v for v in report.get("layer_variant", []))
+        sets = calibration.window_sets
+        how += (f", on {calibration.tokens:,} calibration tokens ({calibration.windows} windows of "
+                f"{calibration.window}: {len(sets.fit)} to fit, {len(sets.select)} to select, {len(sets.audit)} to "
+                "audit; the window indices are in `mlaconv.json`)")
+        refined = sum("refined" in v for v in report.layer_variant)
         if refined:
-            how += (f", with {refined} of {len(report['layer_variant'])} layers refined by gradient steps on their own "
+            how += (f", with {refined} of {len(report.layer_variant)} layers refined by gradient steps on their own "
                     "attention-output error")
     return "\n".join([
-        f"# {Path(str(report.get('output', 'model'))).name}",
+        f"# {Path(report.output).name}",
         "",
-        f"This is {source}{f' (revision `{revision}`)' if revision else ''}, a {report.get('architecture', '')} model, "
-        f"converted by mlaconv {report.get('mlaconv_version', '')} from grouped-query / "
+        f"This is {source}{f' (revision `{revision}`)' if revision else ''}, a {report.architecture} model, "
+        f"converted by mlaconv {report.mlaconv_version} from grouped-query / "
         "multi-head attention to **Multi-head Latent Attention** in the native DeepSeek-V3 layout. It loads as "
         "`DeepseekV3ForCausalLM` in stock transformers (≥ 4.53), vLLM and SGLang, with no custom code "
         "and no `trust_remote_code`.",
         "",
         f"Conversion: {how}; the model as a whole was not trained or fine-tuned afterwards. The KV cache holds one latent of rank "
-        f"r = {report['kv_lora_rank']} plus one shared RoPE key of R = {report['qk_rope_head_dim']} dims per "
+        f"r = {report.kv_lora_rank} plus one shared RoPE key of R = {report.qk_rope_head_dim} dims per "
         "token and layer, instead of a key and a value per KV head. Every figure below is also in "
         "`mlaconv.json` in this folder.",
     ])
 
 
-def _kv_cache(report: dict) -> str:
-    elements, kv_bytes = report["kv_elements_per_token_per_layer"], report["kv_bytes_per_token"]
-    layers = len(report["energy_retained"]["per_layer"])
+def _kv_cache(report: ConversionReport) -> str:
+    elements, kv_bytes = report.kv_elements_per_token_per_layer, report.kv_bytes_per_token
+    layers = len(report.energy_retained.per_layer)
     return "\n".join([
         "## KV cache per token",
         "",
         "| | source | converted |",
         "|---|---:|---:|",
-        f"| elements per layer | {elements['source']:,} | {elements['converted']:,} "
-        f"(r + R = {report['kv_lora_rank']} + {report['qk_rope_head_dim']}) |",
-        f"| bytes, all {layers} layers, {report['dtype']} | {kv_bytes['source']:,} | {kv_bytes['converted']:,} |",
+        f"| elements per layer | {elements.source:,} | {elements.converted:,} "
+        f"(r + R = {report.kv_lora_rank} + {report.qk_rope_head_dim}) |",
+        f"| bytes, all {layers} layers, {report.dtype} | {kv_bytes.source:,} | {kv_bytes.converted:,} |",
         "",
-        f"The converted cache is {report['kv_keep']:.1%} of the source's.",
+        f"The converted cache is {report.kv_keep:.1%} of the source's.",
     ])
 
 
-def _settings(report: dict) -> str:
+def _settings(report: ConversionReport) -> str:
     shape = {
-        "kv_lora_rank (r)": report["kv_lora_rank"],
-        "qk_rope_head_dim (R)": report["qk_rope_head_dim"],
-        "qk_nope_head_dim (P)": report.get("qk_nope_head_dim"),
-        "v_head_dim (V)": report.get("v_head_dim"),
-        "shape choice": report.get("shape_choice"),
-        "rope_theta of the shared key": report.get("rope_theta"),
-        "rope stride (source frequencies 0, s, 2s, … kept rotated)": report.get("rope_stride"),
-        "output dtype": report.get("dtype"),
-        "rms_norm_eps (source → converted)": (f"{_fmt(report.get('source_rms_norm_eps'))} → "
-                                               f"{_fmt(report.get('latent_norm', {}).get('eps'))}"),
-        "residual-stream scale": report.get("residual_scale"),
-        "tiny-latent bound max mean(c²)/ε": report.get("latent_norm", {}).get("max_bound"),
+        "kv_lora_rank (r)": report.kv_lora_rank,
+        "qk_rope_head_dim (R)": report.qk_rope_head_dim,
+        "qk_nope_head_dim (P)": report.qk_nope_head_dim,
+        "v_head_dim (V)": report.v_head_dim,
+        "shape choice": report.shape_choice,
+        "rope_theta of the shared key": report.rope_theta,
+        "rope stride (source frequencies 0, s, 2s, … kept rotated)": report.rope_stride,
+        "output dtype": report.dtype,
+        "rms_norm_eps (source → converted)": f"{_fmt(report.source_rms_norm_eps)} → {_fmt(report.latent_norm.eps)}",
+        "residual-stream scale": report.residual_scale,
+        "tiny-latent bound max mean(c²)/ε": report.latent_norm.max_bound,
     }
     lines = ["## Settings", "", "| shape | value |", "|---|---|"]
-    lines += [f"| {name} | {_fmt(value)} |" for name, value in shape.items() if value is not None]
+    lines += [f"| {name} | {_fmt(value)} |" for name, value in shape.items()]
     lines += ["", "| `mlaconv convert` option | value |", "|---|---|"]
-    lines += [f"| {name} | {_fmt(value)} |" for name, value in report.get("settings", {}).items()]
+    lines += [f"| {name} | {_fmt(value)} |" for name, value in report.settings.items()]
     return "\n".join(lines)
 
 
-def _per_layer(report: dict) -> str:
+def _per_layer(report: ConversionReport) -> str:
     columns = {
-        "latent energy retained": report["energy_retained"]["per_layer"],
-        "RoPE energy kept": report.get("rope_energy_kept"),
-        "key error": report.get("key_error"),
-        "value error": report.get("value_error"),
-        "attention error": report.get("attention_error"),
+        "latent energy retained": report.energy_retained.per_layer,
+        "RoPE energy kept": report.rope_energy_kept,
+        "key error": report.key_error,
+        "value error": report.value_error,
+        "attention error": report.attention_error,
     }
     columns = {name: values for name, values in columns.items() if values and None not in values}
-    variants = report.get("layer_variant") or []
+    variants = report.layer_variant
     calibrated_note = (
         "Calibrated: each layer kept the conversion variant with the least attention error on the select "
         "calibration windows; every figure in this table is measured on the audit windows, which the fit "
@@ -160,7 +159,7 @@ def _per_layer(report: dict) -> str:
         "and value errors), whatever variant a layer kept. *RoPE energy kept*: share of the key energy that "
         "stays rotated in the shared R-dim key. *Key / value error*: relative error of the keys and values "
         "through the latent, in the metric of the layer's inputs. "
-        + (calibrated_note if report.get("mode") == "calibrated"
+        + (calibrated_note if report.mode == "calibrated"
            else "Weights-only: the input is taken as isotropic after the input norm."),
         "",
         "| layer | " + " | ".join(columns) + " |",
@@ -177,43 +176,44 @@ def _per_layer(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _whole_model(calibration: dict | None) -> str:
-    whole = (calibration or {}).get("whole_model")
-    if not whole:
+def _whole_model(calibration: Calibration | None) -> str:
+    if calibration is None:
         return ""
+    whole = calibration.whole_model
     lines = [
         "## Whole-model check",
         "",
         f"The closed-form conversion and, where layers were refined, the refined one were run end to end on the "
-        f"{whole['windows']} audit windows ({whole['tokens']:,} tokens) against the source (final norm and head "
-        f"included) while converting. Written: **{whole['written']}**, because {whole['reason']}.",
+        f"{whole.windows} audit windows ({whole.tokens:,} tokens) against the source (final norm and head "
+        f"included) while converting. Written: **{whole.written}**, because {whole.reason}.",
         "",
         "| model | KL(source ‖ model) per token | top-1 agreement |",
         "|---|---:|---:|",
     ]
-    for name in ("closed form", "refined"):
-        figures = whole.get(name)
-        lines.append(f"| {name}{' (written)' if name == whole['written'] else ''} | "
-                     + (f"{_metric('kl', figures['kl'])} | {_metric('top1', figures['top1'])} |" if figures
+    for name, figures in (("closed form", whole.closed_form), ("refined", whole.refined)):
+        lines.append(f"| {name}{' (written)' if name == whole.written else ''} | "
+                     + (f"{_metric('kl', figures.kl)} | {_metric('top1', figures.top1)} |" if figures
                         else "— | — (no layer refined) |"))
     lines += ["", "The choice between these two models is the only one the audit windows made."]
     return "\n".join(lines)
 
 
-def _verification(check: dict | None) -> str:
+def _verification(check: Verification | Failure | None) -> str:
     if check is None:
         return "## Verification\n\nThe built-in check was not run (`--no-verify`)."
-    if "skipped" in check:
-        return f"## Verification\n\nThe built-in check was skipped: {check['skipped']}."
-    where = f" on {check['windows']} window(s), {check['tokens']:,} tokens" if "tokens" in check else ""
-    engines = check.get("engines") or {}
+    if isinstance(check, Failure):
+        check = Verification()  # a failed check renders as one that measured nothing (the error is in mlaconv.json)
+    if check.skipped is not None:
+        return f"## Verification\n\nThe built-in check was skipped: {check.skipped}."
+    where = f" on {check.windows} window(s), {check.tokens:,} tokens" if check.tokens is not None else ""
+    engines = check.engines or {}
     measured = {name: figures for name, figures in engines.items() if "kl" in figures}
     header = ["", "transformers"] + [f"as {name} computes it" for name in measured]
     lines = [
         "## Verification",
         "",
-        f"The converted folder was loaded through `AutoModelForCausalLM` (as `{check.get('loader', '?')}`) "
-        f"and compared with the source{where}, in {check.get('dtype', '?')}; each engine's column is that "
+        f"The converted folder was loaded through `AutoModelForCausalLM` (as `{check.loader or '?'}`) "
+        f"and compared with the source{where}, in {check.dtype or '?'}; each engine's column is that "
         "transformers model with the engine's rewrites applied (`mlaconv.engines`):",
         "",
         "| " + " | ".join(header) + " |",
@@ -222,8 +222,8 @@ def _verification(check: dict | None) -> str:
     rows = {"max \\|Δ logit\\|": "max_abs_logit_diff", "max relative Δ logit": "max_rel_logit_diff",
             "KL(source ‖ converted) per token": "kl", "top-1 agreement": "top1"}
     for label, key in rows.items():
-        if key in check:
-            values = [check[key]] + [figures.get(key) for figures in measured.values()]
+        if getattr(check, key) is not None:
+            values = [getattr(check, key)] + [figures.get(key) for figures in measured.values()]
             lines.append(f"| {label} | " + " | ".join(_metric(key, v) for v in values) + " |")
     lines.append("")
     for name, figures in engines.items():
@@ -236,77 +236,60 @@ def _verification(check: dict | None) -> str:
     return "\n".join(lines).rstrip()
 
 
-def _evaluation(result) -> str:
-    if not result:
+def _evaluation(result: EvalReport | Failure | None) -> str:
+    if result is None:
         return ""
     lines = ["## Evaluation", ""]
-    if not isinstance(result, dict):
-        return "\n".join(lines + [_fmt(result)])
-    runs = {"": result} if "ppl" in result else {name: run for name, run in result.items() if isinstance(run, dict)}
-    loose = {} if "ppl" in result else {k: v for k, v in result.items() if not isinstance(v, dict)}
-    for name, run in runs.items():
-        if name:
-            lines += [f"### {name}", ""]
-        lines += (_perplexity_run(run) if "ppl" in run else _table(run)) + [""]
-    if loose:
-        lines += _table(loose)
+    lines += _table(result.to_json()) if isinstance(result, Failure) else _perplexity_run(result)
     return "\n".join(lines).rstrip()
 
 
-def _perplexity_run(run: dict) -> list[str]:
+def _perplexity_run(run: EvalReport) -> list[str]:
     """A report of ``mlaconv eval perplexity`` (baseline = the source) as a side-by-side table."""
-    scope = ", ".join(part for part in (
-        run.get("data"),
-        f"{run['windows']} windows of {run['window']} tokens" if "windows" in run and "window" in run else None,
-        f"{run['tokens']:,} scored predictions" if "tokens" in run else None,
-        run.get("dtype"),
-    ) if part)
-    engine = f", as {run['engine']} computes it" if run.get("engine") else ""
-    lines = [f"Perplexity{f' ({scope}{engine})' if scope else ''}:", ""]
-    if run.get("baseline_ppl") is not None:
+    scope = (f"{run.data}, {run.windows} windows of {run.window} tokens, {run.tokens:,} scored predictions, "
+             f"{run.dtype}, as {run.engine} computes it")
+    lines = [f"Perplexity ({scope}):", ""]
+    if run.baseline_ppl is not None:
         lines += ["| | source | converted |", "|---|---:|---:|",
-                  f"| perplexity | {_with_error(run['baseline_ppl'], run.get('baseline_ppl_stderr'))} | "
-                  f"{_with_error(run['ppl'], run.get('ppl_stderr'))} |"]
-        comparison = {"drift": "relative PPL drift", "kl_per_token": "KL(source ‖ converted) per token",
-                      "top1_agreement": "top-1 agreement"}
-        for key, label in comparison.items():
-            if run.get(key) is not None:
-                error = run.get(f"{key}_stderr")
-                value = f"{run[key]:+.2%}" if key == "drift" else _metric(key, run[key])
-                lines.append(f"| {label} | | {value}{f' ± {error:.2%}' if error is not None else ''} |")
+                  f"| perplexity | {_with_error(run.baseline_ppl, run.baseline_ppl_stderr)} | "
+                  f"{_with_error(run.ppl, run.ppl_stderr)} |"]
+        comparison = {"drift": ("relative PPL drift", run.drift_stderr),
+                      "kl_per_token": ("KL(source ‖ converted) per token", None),
+                      "top1_agreement": ("top-1 agreement", None)}
+        for key, (label, error) in comparison.items():
+            value = getattr(run, key)
+            if value is not None:
+                shown = f"{value:+.2%}" if key == "drift" else _metric(key, value)
+                lines.append(f"| {label} | | {shown}{f' ± {error:.2%}' if error is not None else ''} |")
     else:
-        lines += [f"Perplexity {_with_error(run['ppl'], run.get('ppl_stderr'))}."]
-    notes = run.get("notes") or []
-    lines += [""] + [f"- {note}" for note in notes] if notes else []
+        lines += [f"Perplexity {_with_error(run.ppl, run.ppl_stderr)}."]
+    if run.notes:
+        lines += [""] + [f"- {note}" for note in run.notes]
     return lines
 
 
-def _serving(report: dict) -> str:
-    serving = report.get("serving") or {}
+def _serving(report: ConversionReport) -> str:
+    serving = report.serving
     lines = ["## Serving caveats", ""]
-    lines += [f"- {warning}" for warning in serving.get("warnings", [])] or ["- None: every stack computes the same model."]
-    stacks = {key: serving[key] for key in STACKS if key in serving}
-    if stacks:
-        lines += ["", "| stack | attention biases kept | rope_scaling reproduced exactly |", "|---|---|---|"]
-        lines += [f"| {STACKS[key]} | {_fmt(value.get('biases_kept'))} | {_fmt(value.get('rope_scaling_exact'))} |"
-                  for key, value in stacks.items()]
-    kernels = serving.get("kernels") or {}
-    if kernels:
-        lines += ["", f"MLA kernels these shapes fit (r = {report['kv_lora_rank']}, R = {report['qk_rope_head_dim']}, "
-                      f"P = {report.get('qk_nope_head_dim')}, V = {report.get('v_head_dim')}):", "",
-                  "| kernel | fits |", "|---|---|"]
-        lines += [f"| {KERNELS.get(name, name)} | {_fmt(fits)} |" for name, fits in kernels.items()]
+    lines += [f"- {warning}" for warning in serving.warnings] or ["- None: every stack computes the same model."]
+    lines += ["", "| stack | attention biases kept | rope_scaling reproduced exactly |", "|---|---|---|"]
+    stacks = {label: getattr(serving, key) for key, label in STACKS.items()}
+    lines += [f"| {label} | {_fmt(stack['biases_kept'])} | {_fmt(stack['rope_scaling_exact'])} |"
+              for label, stack in stacks.items()]
+    lines += ["", f"MLA kernels these shapes fit (r = {report.kv_lora_rank}, R = {report.qk_rope_head_dim}, "
+                  f"P = {report.qk_nope_head_dim}, V = {report.v_head_dim}):", "", "| kernel | fits |", "|---|---|"]
+    lines += [f"| {KERNELS.get(name, name)} | {_fmt(fits)} |" for name, fits in serving.kernels.items()]
     return "\n".join(lines)
 
 
-def _usage(report: dict) -> str:
-    path = str(report.get("output", "PATH"))
-    fast = (report.get("serving") or {}).get("kernels", {}).get("flashmla", False)
+def _usage(report: ConversionReport) -> str:
+    path = report.output
+    fast = report.serving.kernels["flashmla"]
     vllm = f"vllm serve {path} --dtype bfloat16" + ("" if fast else " --attention-backend TRITON_MLA")
     sglang = f"python -m sglang.launch_server --model-path {path} --dtype bfloat16" + (
         "" if fast else " --attention-backend triton")
-    source = hub_id(report) or str(report.get("source"))
-    tokenizer = path if report.get("tokenizer_files") else source
+    source = hub_id(report) or report.source
+    tokenizer = path if report.tokenizer_files else source
     return "\n".join([
         "## How to use",
         "",
@@ -340,14 +323,16 @@ def _usage(report: dict) -> str:
     ])
 
 
-def _quality(report: dict) -> str:
+def _quality(report: ConversionReport) -> str:
     measured = ["the per-layer approximation figures"]
-    if (report.get("calibration") or {}).get("whole_model"):
+    if report.calibration:
         measured.append("the whole-model check on the audit windows")
-    check = report.get("verify")
-    if check and "skipped" not in check:
-        measured.append(f"the built-in check on {check.get('tokens', '?')} tokens")
-    if report.get("eval"):
+    check = report.verify
+    if isinstance(check, Failure):
+        measured.append("the built-in check on ? tokens")
+    elif check and check.skipped is None:
+        measured.append(f"the built-in check on {check.tokens} tokens")
+    if report.eval:
         measured.append("the evaluation above")
     return "\n".join([
         "## Quality",

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from mlaconv.errors import MlaconvError
+from mlaconv.report import SpectraReport
 
 LEGEND_MAX_LAYERS = 10  # beyond this, a colour bar names the layers instead of a legend
 
@@ -22,10 +23,10 @@ def require_matplotlib() -> None:
         raise MlaconvError("--plot needs matplotlib: pip install 'mlaconv[plot]'") from None
 
 
-def spectra_figure(report: dict):
+def spectra_figure(report: SpectraReport):
     """Two panels, one curve per layer in each: normalised singular values, and energy kept against rank.
 
-    ``report`` is the dict returned by ``mlaconv.spectra.spectra``; returns a matplotlib ``Figure``.
+    ``report`` is what ``mlaconv.spectra.spectra`` returns; returns a matplotlib ``Figure``.
     """
     require_matplotlib()
     from matplotlib import colormaps
@@ -35,18 +36,18 @@ def spectra_figure(report: dict):
     from matplotlib.figure import Figure
     from matplotlib.ticker import PercentFormatter
 
-    layers = report["layers"]
+    layers = report.layers
     figure = Figure(figsize=(12, 4.8), layout="constrained")
     FigureCanvasAgg(figure)
     spectrum_ax, energy_ax = figure.subplots(1, 2)
     norm = Normalize(0, max(len(layers) - 1, 1))
     cmap = colormaps["viridis"]
     for layer in layers:
-        colour = cmap(norm(layer["layer"]))
-        ranks = range(1, len(layer["energy_curve"]) + 1)
-        values = [v if v > 0 else math.nan for v in layer["normalised_spectrum"]]  # log axis: gaps for zeros
-        spectrum_ax.plot(ranks, values, color=colour, linewidth=1.2, label=f"layer {layer['layer']}")
-        energy_ax.plot(ranks, layer["energy_curve"], color=colour, linewidth=1.2, label=f"layer {layer['layer']}")
+        colour = cmap(norm(layer.layer))
+        ranks = range(1, len(layer.energy_curve) + 1)
+        values = [v if v > 0 else math.nan for v in layer.normalised_spectrum]  # log axis: gaps for zeros
+        spectrum_ax.plot(ranks, values, color=colour, linewidth=1.2, label=f"layer {layer.layer}")
+        energy_ax.plot(ranks, layer.energy_curve, color=colour, linewidth=1.2, label=f"layer {layer.layer}")
 
     spectrum_ax.set_yscale("log")
     spectrum_ax.set_xlabel("index i")
@@ -54,10 +55,10 @@ def spectra_figure(report: dict):
     spectrum_ax.set_title("normalised singular values of [K_nope; V]")
     spectrum_ax.grid(True, which="major", alpha=0.3)
 
-    full = report["full_rank"]
+    full = report.full_rank
     energy_ax.set_xlim(0, full + 1)
     energy_ax.set_ylim(0, 1.01)
-    targets = report["energy_targets"]
+    targets = report.energy_targets
     base = [t for t in (0.0, 0.25, 0.5, 0.75, 1.0) if all(abs(t - target) > 0.04 for target in targets)]
     energy_ax.set_yticks(sorted({*base, *targets}))
     share = energy_ax.secondary_xaxis("top", functions=(lambda r: r / full, lambda f: f * full))
@@ -72,12 +73,11 @@ def spectra_figure(report: dict):
         energy_ax.legend(loc="lower right", fontsize="small")
     else:
         figure.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=[spectrum_ax, energy_ax], label="layer")
-    figure.suptitle(f"{Path(report['source']).name}: {report['mode']}, R = {report['qk_rope_head_dim']} rope dims, "
-                    f"stride {report['rope_stride']}, mean RoPE energy kept "
-                    f"{report['summary']['rope_energy_kept_mean']:.1%}")
+    figure.suptitle(f"{Path(report.source).name}: {report.mode}, R = {report.qk_rope_head_dim} rope dims, "
+                    f"stride {report.rope_stride}, mean RoPE energy kept {report.summary.rope_energy_kept_mean:.1%}")
     return figure
 
 
-def save_spectra_plot(report: dict, path: Path) -> None:
+def save_spectra_plot(report: SpectraReport, path: Path) -> None:
     """Write ``spectra_figure(report)`` as a PNG."""
     spectra_figure(report).savefig(path, format="png", dpi=120)

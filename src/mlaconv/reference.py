@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mlaconv.mla.layer import MLAAttention, SourceAttention
+from mlaconv.mla.layer import AttentionShape, MLAAttention, SourceAttention
 from mlaconv.mla.rope import rotate_interleaved
 
 
@@ -40,14 +40,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
     return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
 
 
-@dataclass(frozen=True)
-class Heads:
-    heads: int  # N
-    kv_heads: int  # n_kv
-    head_dim: int  # d
-
-
-def query_key(x: torch.Tensor, w: SourceAttention, heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
+def query_key(x: torch.Tensor, w: SourceAttention, heads: AttentionShape) -> tuple[torch.Tensor, torch.Tensor]:
     """The source's queries [B, N, S, d] and keys [B, n_kv, S, d] on x [B, S, H], before RoPE; a layer with
     QK-norm RMS-normalises each head (Qwen3's q_norm, k_norm)."""
     B, S, _ = x.shape
@@ -61,7 +54,7 @@ def query_key(x: torch.Tensor, w: SourceAttention, heads: Heads) -> tuple[torch.
     return q.transpose(1, 2), k.transpose(1, 2)
 
 
-def source_attention(x: torch.Tensor, w: SourceAttention, heads: Heads, angles: torch.Tensor) -> torch.Tensor:
+def source_attention(x: torch.Tensor, w: SourceAttention, heads: AttentionShape, angles: torch.Tensor) -> torch.Tensor:
     """Causal GQA attention of the source on normalised input x [B, S, H] → [B, S, H] (before the residual)."""
     B, S, _ = x.shape
     N, G, d = heads.heads, heads.kv_heads, heads.head_dim
@@ -73,7 +66,7 @@ def source_attention(x: torch.Tensor, w: SourceAttention, heads: Heads, angles: 
     return _linear(out.transpose(1, 2).reshape(B, S, N * d), w.o, w.o_bias)
 
 
-def mla_attention(x: torch.Tensor, w: MLAAttention, heads: Heads, rank: int, rope_dim: int,
+def mla_attention(x: torch.Tensor, w: MLAAttention, heads: AttentionShape, rank: int, rope_dim: int,
                   angles: torch.Tensor, latent_eps: float = 1e-6) -> torch.Tensor:
     """DeepSeek-V3 attention (q_lora_rank null, interleaved RoPE) on x [B, S, H] → [B, S, H].
 
@@ -110,7 +103,7 @@ def mlp_block(h: torch.Tensor, w: MLPWeights, eps: float) -> torch.Tensor:
     return _linear(F.silu(_linear(x, w.gate)) * _linear(x, w.up), w.down)
 
 
-def attention_by_distance(x: torch.Tensor, w: SourceAttention, heads: Heads, angles: torch.Tensor,
+def attention_by_distance(x: torch.Tensor, w: SourceAttention, heads: AttentionShape, angles: torch.Tensor,
                           max_scores: int = 2**25) -> torch.Tensor:
     """Σ over windows and queries of the attention each head pays at distance Δ = m − n → [N, S].
 

@@ -9,6 +9,7 @@ rewrite every non-default ``rope_scaling`` to DeepSeek-YaRN.
 from __future__ import annotations
 
 from mlaconv.arch import SourceSpec
+from mlaconv.report.conversion import Serving
 
 
 def kernel_fit(config: dict) -> dict[str, bool]:
@@ -26,8 +27,8 @@ def kernel_fit(config: dict) -> dict[str, bool]:
     }
 
 
-def serving_notes(spec: SourceSpec, config: dict, dropped_bias: list[str]) -> dict:
-    """A JSON-able summary of what transformers, vLLM and SGLang will and will not reproduce."""
+def serving_notes(spec: SourceSpec, config: dict, dropped_bias: list[str]) -> Serving:
+    """What transformers, vLLM and SGLang will and will not reproduce."""
     warnings: list[str] = []
     if config.get("attention_bias"):
         warnings.append(
@@ -66,10 +67,10 @@ def serving_notes(spec: SourceSpec, config: dict, dropped_bias: list[str]) -> di
             + ("" if fit["vllm_head_size_whitelist"] else " and some vLLM versions refuse head sizes other than 576")
             + "."
         )
-    return {
-        "transformers": {"biases_kept": bool(config.get("attention_bias")), "rope_scaling_exact": True},
-        "vllm": {"biases_kept": False, "rope_scaling_exact": rope_exact},
-        "sglang": {"biases_kept": False, "rope_scaling_exact": rope_exact},
-        "kernels": fit,
-        "warnings": warnings,
-    }
+    return Serving(
+        transformers={"biases_kept": bool(config.get("attention_bias")), "rope_scaling_exact": True},
+        vllm={"biases_kept": False, "rope_scaling_exact": rope_exact},
+        sglang={"biases_kept": False, "rope_scaling_exact": rope_exact},
+        kernels=fit,
+        warnings=warnings,
+    )

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from mlaconv import __version__
-from mlaconv.calibrated import calibrated_layer_options, calibration_streamer
+from mlaconv.calibrated import calibrated_layer_options, calibration_streamer, window_sets
 from mlaconv.options import ConvertOptions, flags, shared
 from mlaconv.pipeline import source_layers
 from mlaconv.plan import Shapes, model_full_rank, plan_conversion, with_rope_stride
@@ -40,6 +40,8 @@ from mlaconv.mla.attention import LayerAnalysis, analyse_layer, latent_errors
 from mlaconv.mla.layer import AttentionShape, LayerOptions, LayerStats, SourceAttention
 from mlaconv.mla.shared_key import query_energy_per_head, rotating_pairs, weights_only_stats
 from mlaconv.progress import Progress, no_progress
+from mlaconv.report import SpectraReport
+from mlaconv.report.spectra import LayerSpectrum, Recommendation, SpectraSummary
 
 DEFAULT_ENERGY_TARGETS = (0.9, 0.95, 0.99)
 DEFAULT_POWERS_OF_TWO = 6  # default ranks: the 6 largest powers of two below the full rank, and the full rank
@@ -94,8 +96,8 @@ def check_output_file(path: Path, suffix: str, option: str) -> None:
 
 
 def spectra(source: str, options: SpectraOptions, progress: Progress = no_progress,
-            stats_for_layer: Callable[[int, SourceAttention], LayerStats] | None = None) -> dict:
-    """Analyse every layer of ``source`` as ``convert`` would; return the report (a JSON-able dict).
+            stats_for_layer: Callable[[int, SourceAttention], LayerStats] | None = None) -> SpectraReport:
+    """Analyse every layer of ``source`` as ``convert`` would; return the report.
 
     Calibration settings in ``options`` stream the source model exactly as ``convert`` does;
     ``stats_for_layer(i, src)`` instead supplies statistics directly (for tests and other callers).
@@ -132,31 +134,31 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
         reader.close()
     lopts = plan.layer
 
-    return {
-        "mlaconv_version": __version__,
-        "source": str(folder),
-        "architecture": spec.family.label,
-        "mode": "calibrated" if calibrated else "weights-only",
-        "shows": _shows(calibrated, streamer is not None, options.kv_keep is not None),
-        "window_sets": _window_sets(streamer),
-        "settings": {k: v for k, v in asdict(options).items() if k not in ("ranks", "energy_targets")},
-        "num_layers": spec.num_layers,
-        "hidden_size": spec.hidden_size,
-        "num_kv_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim,
-        "kv_elements_per_token_per_layer": spec.kv_elements_per_token_per_layer,
-        "qk_rope_head_dim": shapes.rope_dim,
-        "rope_stride": lopts.rope_stride,
-        "matrix_rows": 2 * spec.num_kv_heads * spec.head_dim,
-        "full_rank": full,
-        "ranks": ranks,
-        "energy_targets": list(options.energy_targets),
-        "layers": layers,
-        "summary": _summary(layers),
-        "recommendation": _recommendation(recommended, options.kv_keep, spec.kv_elements_per_token_per_layer,
-                                          ranks, layers),
-        "seconds": round(time.perf_counter() - started, 3),
-    }
+    return SpectraReport(
+        mlaconv_version=__version__,
+        source=str(folder),
+        architecture=spec.family.label,
+        mode="calibrated" if calibrated else "weights-only",
+        shows=_shows(calibrated, streamer is not None, options.kv_keep is not None),
+        window_sets=window_sets(streamer.split) if streamer else None,
+        settings={k: v for k, v in asdict(options).items() if k not in ("ranks", "energy_targets")},
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        kv_elements_per_token_per_layer=spec.kv_elements_per_token_per_layer,
+        qk_rope_head_dim=shapes.rope_dim,
+        rope_stride=lopts.rope_stride,
+        matrix_rows=2 * spec.num_kv_heads * spec.head_dim,
+        full_rank=full,
+        ranks=ranks,
+        energy_targets=list(options.energy_targets),
+        layers=layers,
+        summary=_summary(layers),
+        recommendation=_recommendation(recommended, options.kv_keep, spec.kv_elements_per_token_per_layer, ranks,
+                                       layers),
+        seconds=round(time.perf_counter() - started, 3),
+    )
 
 
 def _check_targets(targets: tuple[float, ...]) -> None:
@@ -193,13 +195,6 @@ def _shows(calibrated: bool, audited: bool, budget: bool) -> str:
     return text + "; energy_retained: the spectrum's, in-sample (statistics given directly, no audit windows)"
 
 
-def _window_sets(streamer) -> dict | None:
-    if streamer is None:
-        return None
-    split = streamer.split
-    return {"fit": list(split.fit), "select": list(split.select), "audit": list(split.audit), "note": split.note}
-
-
 def _audited_energy(analysis: LayerAnalysis, src: SourceAttention, metric: torch.Tensor, audit: torch.Tensor,
                     ranks: list[int]) -> list[float]:
     """energy_retained at each rank as convert measures it: the latent factored in ``metric`` (the fit windows),
@@ -228,7 +223,7 @@ def _unrotation_loss(src: SourceAttention, shape: AttentionShape, options: Layer
 
 
 def _layer_entry(i: int, analysis: LayerAnalysis, loss: rope.UnrotationLoss, ranks: list[int],
-                 targets: tuple[float, ...], full: int, energy: list[float] | None = None) -> dict:
+                 targets: tuple[float, ...], full: int, energy: list[float] | None = None) -> LayerSpectrum:
     """One layer's row of the report; the spectrum is cut at the full rank (what lies beyond is zero).
     ``energy``: energy_retained per rank when measured apart from the spectrum (on audit windows)."""
     spectrum, choice = analysis.spectrum, analysis.choice
@@ -236,71 +231,74 @@ def _layer_entry(i: int, analysis: LayerAnalysis, loss: rope.UnrotationLoss, ran
     top = singular[0].item()
     curve = spectrum.energy_curve()[:full]
     needed = [rank_for_energy(curve, t) for t in targets]
-    return {
-        "layer": i,
-        "energy_retained": energy if energy is not None else [spectrum.energy(r) for r in ranks],
-        "rank_for_energy": needed,
-        "rank_fraction_for_energy": [r / full for r in needed],
-        "rope_energy_kept": analysis.rope_energy_kept,
-        "rope_energy_kept_per_frequency": choice.energy_kept_per_frequency,
-        "rope_loss_weighted_kept": choice.loss_weighted_kept,
-        "rope_score_loss": loss.compensated,
-        "rope_score_loss_per_frequency": loss.compensated_per_frequency,
-        "rope_score_loss_without_mean_rotation": loss.uncompensated,
-        "rope_mean_rotation_recovers": loss.recovered,
-        "rope_frequencies": choice.frequencies.tolist(),
-        "singular_values": singular.tolist(),
-        "normalised_spectrum": (singular / top if top > 0 else torch.zeros_like(singular)).tolist(),
-        "energy_curve": curve.tolist(),
-    }
+    return LayerSpectrum(
+        layer=i,
+        energy_retained=energy if energy is not None else [spectrum.energy(r) for r in ranks],
+        rank_for_energy=needed,
+        rank_fraction_for_energy=[r / full for r in needed],
+        rope_energy_kept=analysis.rope_energy_kept,
+        rope_energy_kept_per_frequency=choice.energy_kept_per_frequency,
+        rope_loss_weighted_kept=choice.loss_weighted_kept,
+        rope_score_loss=loss.compensated,
+        rope_score_loss_per_frequency=loss.compensated_per_frequency,
+        rope_score_loss_without_mean_rotation=loss.uncompensated,
+        rope_mean_rotation_recovers=loss.recovered,
+        rope_frequencies=choice.frequencies.tolist(),
+        singular_values=singular.tolist(),
+        normalised_spectrum=(singular / top if top > 0 else torch.zeros_like(singular)).tolist(),
+        energy_curve=curve.tolist(),
+    )
 
 
-def _summary(layers: list[dict]) -> dict:
-    def column(key: str) -> list[list[float]]:
-        return [list(values) for values in zip(*(layer[key] for layer in layers))]
+def _summary(layers: list[LayerSpectrum]) -> SpectraSummary:
+    def column(name: str) -> list[list[float]]:
+        return [list(values) for values in zip(*(getattr(layer, name) for layer in layers))]
 
-    rope_kept = [layer["rope_energy_kept"] for layer in layers]
-    return {
-        "energy_retained_mean": [sum(c) / len(c) for c in column("energy_retained")],
-        "energy_retained_min": [min(c) for c in column("energy_retained")],
-        "rank_for_energy_mean": [sum(c) / len(c) for c in column("rank_for_energy")],
-        "rank_for_energy_max": [max(c) for c in column("rank_for_energy")],
-        "rank_fraction_for_energy_mean": [sum(c) / len(c) for c in column("rank_fraction_for_energy")],
-        "rope_energy_kept_mean": sum(rope_kept) / len(rope_kept),
-        "rope_energy_kept_min": min(rope_kept),
-        "rope_score_loss_mean": sum(layer["rope_score_loss"] for layer in layers) / len(layers),
-        "rope_score_loss_without_mean_rotation_mean":
-            sum(layer["rope_score_loss_without_mean_rotation"] for layer in layers) / len(layers),
-    }
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    rope_kept = [layer.rope_energy_kept for layer in layers]
+    return SpectraSummary(
+        energy_retained_mean=[mean(c) for c in column("energy_retained")],
+        energy_retained_min=[min(c) for c in column("energy_retained")],
+        rank_for_energy_mean=[mean(c) for c in column("rank_for_energy")],
+        rank_for_energy_max=[max(c) for c in column("rank_for_energy")],
+        rank_fraction_for_energy_mean=[mean(c) for c in column("rank_fraction_for_energy")],
+        rope_energy_kept_mean=mean(rope_kept),
+        rope_energy_kept_min=min(rope_kept),
+        rope_score_loss_mean=mean([layer.rope_score_loss for layer in layers]),
+        rope_score_loss_without_mean_rotation_mean=mean([layer.rope_score_loss_without_mean_rotation
+                                                         for layer in layers]),
+    )
 
 
 def _recommendation(shapes: Shapes | None, kv_keep: float | None, source_elements: int, ranks: list[int],
-                    layers: list[dict]) -> dict | None:
+                    layers: list[LayerSpectrum]) -> Recommendation | None:
     if shapes is None:
         return None
     column = ranks.index(shapes.rank)
-    energy = [layer["energy_retained"][column] for layer in layers]
-    return {
-        "kv_keep": kv_keep,
-        "kv_lora_rank": shapes.rank,
-        "qk_rope_head_dim": shapes.rope_dim,
-        "kv_elements_per_token_per_layer": shapes.rank + shapes.rope_dim,
-        "kv_keep_actual": (shapes.rank + shapes.rope_dim) / source_elements,
-        "reason": shapes.reason,
-        "energy_retained": energy,
-        "energy_retained_mean": sum(energy) / len(energy),
-    }
+    energy = [layer.energy_retained[column] for layer in layers]
+    return Recommendation(
+        kv_keep=kv_keep,
+        kv_lora_rank=shapes.rank,
+        qk_rope_head_dim=shapes.rope_dim,
+        kv_elements_per_token_per_layer=shapes.rank + shapes.rope_dim,
+        kv_keep_actual=(shapes.rank + shapes.rope_dim) / source_elements,
+        reason=shapes.reason,
+        energy_retained=energy,
+        energy_retained_mean=sum(energy) / len(energy),
+    )
 
 
-def write_csv(report: dict, path: Path) -> None:
+def write_csv(report: SpectraReport, path: Path) -> None:
     """One row per layer: energy at each rank, rank for each target, RoPE energy kept."""
-    header = (["layer"] + [f"energy_at_rank_{r}" for r in report["ranks"]]
-              + [f"rank_for_energy_{t:g}" for t in report["energy_targets"]]
+    header = (["layer"] + [f"energy_at_rank_{r}" for r in report.ranks]
+              + [f"rank_for_energy_{t:g}" for t in report.energy_targets]
               + ["rope_energy_kept", "rope_loss_weighted_kept", "top_singular_value"])
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(header)
-        for layer in report["layers"]:
-            top = layer["singular_values"][0] if layer["singular_values"] else 0.0
-            writer.writerow([layer["layer"], *layer["energy_retained"], *layer["rank_for_energy"],
-                             layer["rope_energy_kept"], layer["rope_loss_weighted_kept"], top])
+        for layer in report.layers:
+            top = layer.singular_values[0] if layer.singular_values else 0.0
+            writer.writerow([layer.layer, *layer.energy_retained, *layer.rank_for_energy, layer.rope_energy_kept,
+                             layer.rope_loss_weighted_kept, top])

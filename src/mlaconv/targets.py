@@ -28,6 +28,7 @@ import torch
 
 from mlaconv.engines import BIASES, deepseek_yarn_frequencies
 from mlaconv.errors import MlaconvError
+from mlaconv.report.conversion import TargetReport
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def rope_scaling_for(chosen: Target, rope_scaling: dict | None, theta: float, ro
     return rope_scaling, None
 
 
-def target_report(name: str, reports: list, rope_rewrite: dict | None, calibrated: bool) -> dict:
+def target_report(name: str, reports: list, rope_rewrite: dict | None, calibrated: bool) -> TargetReport:
     """The report's ``target`` section: the engines, what was left out of the output for them, and how."""
     chosen = target(name)
     dropped = sorted({b for r in reports for b in r.dropped_bias if b in BIASES})
@@ -114,5 +115,4 @@ def target_report(name: str, reports: list, rope_rewrite: dict | None, calibrate
                    "it runs)" if calibrated
                    else "without calibration data nothing re-fits them; the built-in check measures the cost; pass "
                         "--calib to re-fit, or --target transformers to keep them (transformers only)"))
-    return {"name": chosen.name, "engines": list(chosen.engines), "biases_written": chosen.biases,
-            "biases_left_out": dropped, "rope_rewrite": rope_rewrite, "note": note}
+    return TargetReport(chosen.name, list(chosen.engines), chosen.biases, dropped, rope_rewrite, note)

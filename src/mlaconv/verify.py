@@ -13,6 +13,7 @@ import torch
 
 from mlaconv.arch import SourceSpec
 from mlaconv.models import available_memory_bytes, load_causal_lm, load_tokenizer, parameter_bytes
+from mlaconv.report.conversion import Verification
 
 
 def compare_logits(reference: torch.Tensor, other: torch.Tensor) -> dict:
@@ -50,7 +51,7 @@ def verification_tokens(source: Path, spec: SourceSpec, windows: int, window: in
     return ids
 
 
-def verify(source: Path, converted: Path, spec: SourceSpec, windows: int = 4, window: int = 128) -> dict:
+def verify(source: Path, converted: Path, spec: SourceSpec, windows: int = 4, window: int = 128) -> Verification:
     """Compare the converted checkpoint with its source on a few windows; skip if both do not fit in RAM.
 
     The top-level figures are transformers'; ``engines`` gives each engine's (``engine_figures``)."""
@@ -60,8 +61,9 @@ def verify(source: Path, converted: Path, spec: SourceSpec, windows: int = 4, wi
         if need <= budget:
             break
     else:
-        return {"skipped": f"both models need {need / 2**30:.1f} GiB even in bfloat16, over half the "
-                           f"{2 * budget / 2**30:.1f} GiB available; run `mlaconv eval perplexity` on a bigger machine"}
+        return Verification(skipped=f"both models need {need / 2**30:.1f} GiB even in bfloat16, over half the "
+                                    f"{2 * budget / 2**30:.1f} GiB available; run `mlaconv eval perplexity` on a "
+                                    "bigger machine")
     window = min(window, spec.max_position_embeddings)
     with torch.no_grad():
         reference_model = load_causal_lm(source, dtype)
@@ -69,11 +71,9 @@ def verify(source: Path, converted: Path, spec: SourceSpec, windows: int = 4, wi
         reference = reference_model(tokens).logits
         del reference_model
         model = load_causal_lm(converted, dtype)
-        result = compare_logits(reference, model(tokens).logits)
-        result.update({"dtype": str(dtype).replace("torch.", ""), "windows": tokens.shape[0],
-                       "tokens": tokens.numel(), "loader": type(model).__name__})
-        result["engines"] = engine_figures(model, tokens, reference)
-    return result
+        return Verification(**compare_logits(reference, model(tokens).logits), dtype=str(dtype).replace("torch.", ""),
+                            windows=tokens.shape[0], tokens=tokens.numel(), loader=type(model).__name__,
+                            engines=engine_figures(model, tokens, reference))
 
 
 def engine_figures(model, tokens: torch.Tensor, reference: torch.Tensor) -> dict:

@@ -281,6 +281,12 @@ def test_scaled_frequencies_match_transformers(scaling):
     assert not torch.allclose(reference, rope.source_frequencies(theta, d))  # the scaling does something
 
 
+@pytest.mark.parametrize("kind", ["yarn", "dynamic", "made-up"])
+def test_scaled_frequencies_refuses_a_rope_type_it_cannot_scale(kind):
+    with pytest.raises(ValueError, match=f"rope type '{kind}'"):
+        rope.scaled_frequencies(10000.0, 8, {"rope_type": kind, "factor": 2.0})
+
+
 def test_llama3_case_covers_all_three_bands():
     omega = rope.source_frequencies(10000.0, 32)
     wavelength = 2 * math.pi / omega

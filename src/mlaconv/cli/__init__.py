@@ -13,7 +13,8 @@ from mlaconv.cli._common import JsonErrorGroup
 app = typer.Typer(
     name="mlaconv",
     cls=JsonErrorGroup,
-    help="Convert MHA/GQA checkpoints (Llama, Mistral, Qwen2) into native DeepSeek-V3 MLA checkpoints.",
+    help="Convert MHA/GQA checkpoints (Llama, Mistral, Qwen2/3, Phi-3/4, Granite, SmolLM3 and kin) into native "
+         "DeepSeek-V3 MLA checkpoints.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -24,13 +25,18 @@ app.add_typer(inspect_app, name="inspect")
 app.add_typer(eval_app, name="eval")
 
 
-@app.callback()
-def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True)):
-    if version:
+def _print_version(value: bool) -> None:
+    if value:
         from mlaconv import __version__
 
         typer.echo(__version__)
         raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
+                                       callback=_print_version)) -> None:
+    del version  # _print_version answers it
 
 
 def main() -> None:
@@ -48,11 +54,7 @@ def _register_commands() -> None:
     import importlib
 
     for name in ("convert", "inspect", "evaluate", "bench", "export"):
-        try:
-            importlib.import_module(f"mlaconv.cli.{name}")
-        except ModuleNotFoundError as exc:  # a sub-command still being written
-            if exc.name != f"mlaconv.cli.{name}":
-                raise
+        importlib.import_module(f"mlaconv.cli.{name}")
 
 
 _register_commands()

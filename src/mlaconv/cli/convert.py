@@ -13,6 +13,8 @@ from mlaconv.cli import app
 from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
                                  report_console)
 from mlaconv.options import cli_parameters, with_options
+from mlaconv.report import ConversionReport
+from mlaconv.report.record import Failure
 
 
 @app.command()
@@ -53,57 +55,68 @@ def convert(
             report = run_convert(src, out, ConvertOptions(**settings), progress=track)
         render_report(report, report_console(json_out))
         if json_out:
-            emit_json(report)
+            emit_json(report.to_json())
 
 
-def render_report(report: dict, console) -> None:
-    kv = report["kv_elements_per_token_per_layer"]
-    line(console, f"[bold green]converted[/] {escape(str(report['source']))} → {escape(str(report['output']))}  "
-                  f"({report['architecture']} → DeepseekV3ForCausalLM, {report['dtype']})")
-    line(console, f"KV cache per token and layer: {kv['source']} → {kv['converted']} elements "
-                  f"({report['kv_keep']:.1%} kept; r = {report['kv_lora_rank']}, R = {report['qk_rope_head_dim']}, "
-                  f"rope stride {report['rope_stride']}); {escape(report['shape_choice'])}")
-    search = report.get("shape_search") or {}
-    if search.get("candidates"):
+def render_report(report: ConversionReport, console) -> None:
+    kv = report.kv_elements_per_token_per_layer
+    line(console, f"[bold green]converted[/] {escape(report.source)} → {escape(report.output)}  "
+                  f"({report.architecture} → DeepseekV3ForCausalLM, {report.dtype})")
+    line(console, f"KV cache per token and layer: {kv.source} → {kv.converted} elements "
+                  f"({report.kv_keep:.1%} kept; r = {report.kv_lora_rank}, R = {report.qk_rope_head_dim}, "
+                  f"rope stride {report.rope_stride}); {escape(report.shape_choice)}")
+    if report.shape_search and report.shape_search.candidates:
         line(console, "splits measured: " + ", ".join(
-            f"{c['kv_lora_rank']} + {c['qk_rope_head_dim']}: {c['mean_attention_error']:.4f}" for c in search["candidates"]
+            f"{c.kv_lora_rank} + {c.qk_rope_head_dim}: {c.mean_attention_error:.4f}" for c in report.shape_search.candidates
         ) + " (mean attention error)")
-    calibrated = report.get("calibration") is not None
-    table = Table(title="per layer" + (", measured on the audit windows" if calibrated else ""), show_lines=False)
+    calibration = report.calibration
+    table = Table(title="per layer" + (", measured on the audit windows" if calibration else ""), show_lines=False)
     columns = ["layer", "latent energy", "RoPE energy kept", "key error", "value error"]
-    for column in columns + (["attention error", "variant"] if calibrated else []):
+    for column in columns + (["attention error", "variant"] if calibration else []):
         table.add_column(column, justify="left" if column == "variant" else "right", overflow="fold")
-    energy = report["energy_retained"]["per_layer"]
-    for i, values in enumerate(zip(energy, report["rope_energy_kept"], report["key_error"], report["value_error"])):
+    energy = report.energy_retained.per_layer
+    for i, values in enumerate(zip(energy, report.rope_energy_kept, report.key_error, report.value_error)):
         cells = [f"{v:.4f}" for v in values]
-        if calibrated:
-            cells += [f"{report['attention_error'][i]:.4f}", report["layer_variant"][i]]
+        if calibration:
+            cells += [f"{report.attention_error[i]:.4f}", report.layer_variant[i]]
         table.add_row(str(i), *cells)
-    table.add_row("mean", f"{report['energy_retained']['mean']:.4f}", f"{report['rope_energy_kept_mean']:.4f}",
+    table.add_row("mean", f"{report.energy_retained.mean:.4f}", f"{report.rope_energy_kept_mean:.4f}",
                   *([""] * (len(table.columns) - 3)))
     console.print(table)
-    if calibrated:
-        calibration = report["calibration"]
-        steps = f" ({calibration['refine_steps']} steps a layer)" if calibration["refine_steps"] else ""
-        sets = calibration["window_sets"]
-        line(console, f"calibration: {calibration['windows']} windows of {calibration['window']} tokens "
-                      f"({len(sets['fit'])} fit, {len(sets['select'])} select, {len(sets['audit'])} audit); refinement: "
-                      f"{escape(calibration['refinement'])}{steps}")
-        if sets["note"]:
-            line(console, f"[yellow]note:[/] {escape(sets['note'])}")
-        whole = calibration["whole_model"]
-        models = "; ".join(f"{name} KL {whole[name]['kl']:.4g}, top-1 {whole[name]['top1']:.2%}"
-                           for name in ("closed form", "refined") if whole[name])
-        line(console, f"whole model on the {whole['windows']} audit windows ({whole['tokens']} tokens): {models}; "
-                      f"written: {whole['written']} ({escape(whole['reason'])})")
-    check = report.get("verify")
-    if check and "error" in check:
-        line(console, f"[yellow]check:[/] {escape(check['error'])} (the checkpoint was kept)")
-    elif check and "skipped" not in check:
-        line(console, f"check ({check['loader']}, {check['windows']}×{check['tokens'] // check['windows']} tokens, "
-                      f"{check['dtype']}): max |Δlogit| {check['max_abs_logit_diff']:.3g}, KL {check['kl']:.3g}, "
-                      f"top-1 {check['top1']:.2%}")
-        for name, figures in (check.get("engines") or {}).items():
+    if calibration:
+        steps = f" ({calibration.refine_steps} steps a layer)" if calibration.refine_steps else ""
+        sets = calibration.window_sets
+        line(console, f"calibration: {calibration.windows} windows of {calibration.window} tokens "
+                      f"({len(sets.fit)} fit, {len(sets.select)} select, {len(sets.audit)} audit); refinement: "
+                      f"{escape(calibration.refinement)}{steps}")
+        if sets.note:
+            line(console, f"[yellow]note:[/] {escape(sets.note)}")
+        whole = calibration.whole_model
+        models = "; ".join(f"{name} KL {figures.kl:.4g}, top-1 {figures.top1:.2%}"
+                           for name, figures in (("closed form", whole.closed_form), ("refined", whole.refined))
+                           if figures)
+        line(console, f"whole model on the {whole.windows} audit windows ({whole.tokens} tokens): {models}; "
+                      f"written: {whole.written} ({escape(whole.reason)})")
+    _render_checks(report, console)
+    target = report.target
+    line(console, f"target {target.name}: {', '.join(target.engines)}")
+    for note in (target.note, (target.rope_rewrite or {}).get("note")):
+        if note:
+            line(console, f"[yellow]note:[/] {escape(note)}")
+    for warning in report.serving.warnings:
+        line(console, f"[yellow]note:[/] {escape(warning)}")
+
+
+def _render_checks(report: ConversionReport, console) -> None:
+    """The built-in check's and the evaluation's lines."""
+    check = report.verify
+    if isinstance(check, Failure):
+        line(console, f"[yellow]check:[/] {escape(check.error)} (the checkpoint was kept)")
+    elif check and check.skipped is None:
+        line(console, f"check ({check.loader}, {check.windows}×{check.tokens // check.windows} tokens, "
+                      f"{check.dtype}): max |Δlogit| {check.max_abs_logit_diff:.3g}, KL {check.kl:.3g}, "
+                      f"top-1 {check.top1:.2%}")
+        for name, figures in (check.engines or {}).items():
             if "kl" in figures:
                 line(console, f"  as {name} computes it: KL {figures['kl']:.3g}, top-1 {figures['top1']:.2%} "
                               f"({escape('; '.join(figures['differences']))})")
@@ -112,22 +125,14 @@ def render_report(report: dict, console) -> None:
             elif "same_as" in figures:
                 line(console, f"  {name}: same as {figures['same_as']}")
     elif check:
-        line(console, f"check skipped: {escape(check['skipped'])}")
-    result = report.get("eval")
-    if result and "error" in result:
-        line(console, f"[yellow]eval:[/] {escape(result['error'])} (the checkpoint was kept)")
+        line(console, f"check skipped: {escape(check.skipped)}")
+    result = report.eval
+    if isinstance(result, Failure):
+        line(console, f"[yellow]eval:[/] {escape(result.error)} (the checkpoint was kept)")
     elif result:
-        agreement = (f", KL {result['kl_per_token']:.3g}, top-1 {result['top1_agreement']:.2%}"
-                     if result.get("kl_per_token") is not None else " (KL and top-1 not measured: the two models "
+        agreement = (f", KL {result.kl_per_token:.3g}, top-1 {result.top1_agreement:.2%}"
+                     if result.kl_per_token is not None else " (KL and top-1 not measured: the two models "
                      "did not fit in memory together)")
-        line(console, f"eval ({escape(result['data'])}, {result['windows']} windows of {result['window']}): KV cache "
-                      f"{report['kv_keep']:.1%} of the source's; PPL {result['ppl']:.4g} vs source "
-                      f"{result['baseline_ppl']:.4g} (drift {result['drift']:+.2%}){agreement}")
-    chosen = report.get("target") or {}
-    if chosen:
-        line(console, f"target {chosen['name']}: {', '.join(chosen['engines'])}")
-        for note in (chosen.get("note"), (chosen.get("rope_rewrite") or {}).get("note")):
-            if note:
-                line(console, f"[yellow]note:[/] {escape(note)}")
-    for warning in report["serving"]["warnings"]:
-        line(console, f"[yellow]note:[/] {escape(warning)}")
+        line(console, f"eval ({escape(result.data)}, {result.windows} windows of {result.window}): KV cache "
+                      f"{report.kv_keep:.1%} of the source's; PPL {result.ppl:.4g} vs source "
+                      f"{result.baseline_ppl:.4g} (drift {result.drift:+.2%}){agreement}")

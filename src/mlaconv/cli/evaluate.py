@@ -12,6 +12,7 @@ from rich.table import Table
 from mlaconv.cli import eval_app
 from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
                                  report_console)
+from mlaconv.report import EvalReport
 
 
 @eval_app.command("perplexity")
@@ -49,40 +50,41 @@ def perplexity(
                                          progress=track, engine=engine)
         render_report(report, report_console(json_out))
         if json_out:
-            emit_json(report)
+            emit_json(report.to_json())
 
 
-def render_report(report: dict, console) -> None:
+def render_report(report: EvalReport, console) -> None:
     """The evaluation report as a table (one column per model) and a comparison line."""
-    windows, predictions = report["windows"], report["tokens"]
+    windows, predictions = report.windows, report.tokens
     lengths = (f"× {predictions // windows + 1} tokens" if predictions % windows == 0
-               else f"of at most {report['window']} tokens")
-    line(console, f"{escape(report['data'])}: {windows} windows {lengths}, {predictions} predictions scored "
-                  f"({report['dropped_tokens']} tokens dropped), {report['dtype']} on {report['device']}")
-    line(console, f"tokenizer: {escape(report['tokenizer'] or 'none (pre-tokenized ids)')}")
-    differences = report.get("engine_differences") or []
-    line(console, f"model as {report.get('engine', 'transformers')} computes it"
+               else f"of at most {report.window} tokens")
+    line(console, f"{escape(report.data)}: {windows} windows {lengths}, {predictions} predictions scored "
+                  f"({report.dropped_tokens} tokens dropped), {report.dtype} on {report.device}")
+    line(console, f"tokenizer: {escape(report.tokenizer or 'none (pre-tokenized ids)')}")
+    differences = report.engine_differences
+    line(console, f"model as {report.engine} computes it"
                   + (f" ({escape('; '.join(differences))})" if differences else
-                     " (the same as transformers)" if report.get("engine", "transformers") != "transformers" else ""))
-    roles = ["baseline", "model"] if report["baseline"] else ["model"]
-    prefixes = {"baseline": "baseline_", "model": ""}
+                     " (the same as transformers)" if report.engine != "transformers" else ""))
+    columns = {"model": (report.model, report.ppl, report.ppl_stderr, report.nll)}
+    if report.baseline:
+        columns = {"baseline": (report.baseline, report.baseline_ppl, report.baseline_ppl_stderr,
+                                report.baseline_nll)} | columns
     table = Table(title="perplexity")
     table.add_column("", overflow="fold")
-    for role in roles:
-        table.add_column(f"{role}\n{escape(str(report[role]))}", justify="right", overflow="fold")
-    table.add_row("perplexity", *(_with_error(report[f"{prefixes[r]}ppl"], report[f"{prefixes[r]}ppl_stderr"], "{:.4f}")
-                                  for r in roles))
-    table.add_row("mean NLL", *(f"{report[f'{prefixes[r]}nll']:.5f}" for r in roles))
-    table.add_row("KV cache elements / token", *(f"{report['kv_elements_per_token'][r]:,}" for r in roles))
-    table.add_row("KV cache bytes / token", *(f"{report['kv_bytes_per_token'][r]:,}" for r in roles))
+    for role, (folder, *_) in columns.items():
+        table.add_column(f"{role}\n{escape(folder)}", justify="right", overflow="fold")
+    table.add_row("perplexity", *(_with_error(ppl, stderr, "{:.4f}") for _, ppl, stderr, _ in columns.values()))
+    table.add_row("mean NLL", *(f"{nll:.5f}" for *_, nll in columns.values()))
+    table.add_row("KV cache elements / token", *(f"{report.kv_elements_per_token[r]:,}" for r in columns))
+    table.add_row("KV cache bytes / token", *(f"{report.kv_bytes_per_token[r]:,}" for r in columns))
     console.print(table)
-    if report["baseline"]:
-        line(console, f"drift {_with_error(report['drift'], report['drift_stderr'], '{:+.2%}')} in perplexity "
-                      f"with {report['kv_kept']:.1%} of the KV cache")
-        if report["kl_per_token"] is not None:
-            line(console, f"KL(baseline ‖ model) {report['kl_per_token']:.4g} per token, "
-                          f"top-1 agreement {report['top1_agreement']:.2%}")
-    for note in report["notes"]:
+    if report.baseline:
+        line(console, f"drift {_with_error(report.drift, report.drift_stderr, '{:+.2%}')} in perplexity "
+                      f"with {report.kv_kept:.1%} of the KV cache")
+        if report.kl_per_token is not None:
+            line(console, f"KL(baseline ‖ model) {report.kl_per_token:.4g} per token, "
+                          f"top-1 agreement {report.top1_agreement:.2%}")
+    for note in report.notes:
         line(console, f"[yellow]note:[/] {escape(note)}")
 
 

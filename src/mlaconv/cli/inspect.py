@@ -15,6 +15,7 @@ from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_j
                                  report_console)
 from mlaconv.errors import MlaconvError
 from mlaconv.options import cli_parameters, given_options, with_options
+from mlaconv.report import SpectraReport
 
 
 @inspect_app.command("spectra")
@@ -71,7 +72,7 @@ def spectra(
             write_csv(report, csv_out)
             line(console, f"csv: {escape(str(csv_out))}")
         if json_out:
-            emit_json(report)
+            emit_json(report.to_json())
 
 
 def _parse_list(text: str, kind: type, option: str) -> list:
@@ -81,43 +82,43 @@ def _parse_list(text: str, kind: type, option: str) -> list:
         raise MlaconvError(f"{option} takes comma-separated {kind.__name__} values, got {text!r}") from None
 
 
-def render_report(report: dict, console) -> None:
+def render_report(report: SpectraReport, console) -> None:
     """The human-readable report: a header, one table row per layer, summary rows, the budget advice."""
-    full = report["full_rank"]
-    line(console, f"[bold]spectra[/] of {escape(str(report['source']))} ({report['architecture']}, "
-                  f"{report['num_layers']} layers, {report['mode']}): R = {report['qk_rope_head_dim']} rope dims "
-                  f"(stride {report['rope_stride']}); latent matrix {report['matrix_rows']}×{report['hidden_size']}, "
+    full = report.full_rank
+    line(console, f"[bold]spectra[/] of {escape(report.source)} ({report.architecture}, "
+                  f"{report.num_layers} layers, {report.mode}): R = {report.qk_rope_head_dim} rope dims "
+                  f"(stride {report.rope_stride}); latent matrix {report.matrix_rows}×{report.hidden_size}, "
                   f"full rank {full}")
     table = Table(title="energy retained at rank r, rank needed per energy target, RoPE energy kept",
                   box=box.SIMPLE_HEAD, padding=0, show_edge=False)
-    for column in ["layer", *(f"r={r}" for r in report["ranks"]),
-                   *(f"r@{t * 100:g}%" for t in report["energy_targets"]), "RoPE"]:
+    for column in ["layer", *(f"r={r}" for r in report.ranks),
+                   *(f"r@{t * 100:g}%" for t in report.energy_targets), "RoPE"]:
         table.add_column(column, justify="right", overflow="fold")
-    for layer in report["layers"]:
-        table.add_row(str(layer["layer"]), *(f"{e:.3f}" for e in layer["energy_retained"]),
-                      *(str(r) for r in layer["rank_for_energy"]), f"{layer['rope_energy_kept']:.3f}")
-    summary = report["summary"]
+    for layer in report.layers:
+        table.add_row(str(layer.layer), *(f"{e:.3f}" for e in layer.energy_retained),
+                      *(str(r) for r in layer.rank_for_energy), f"{layer.rope_energy_kept:.3f}")
+    summary = report.summary
     table.add_section()
-    table.add_row("mean", *(f"{e:.3f}" for e in summary["energy_retained_mean"]),
-                  *(f"{r:.1f}" for r in summary["rank_for_energy_mean"]), f"{summary['rope_energy_kept_mean']:.3f}")
-    table.add_row("worst", *(f"{e:.3f}" for e in summary["energy_retained_min"]),
-                  *(str(r) for r in summary["rank_for_energy_max"]), f"{summary['rope_energy_kept_min']:.3f}")
+    table.add_row("mean", *(f"{e:.3f}" for e in summary.energy_retained_mean),
+                  *(f"{r:.1f}" for r in summary.rank_for_energy_mean), f"{summary.rope_energy_kept_mean:.3f}")
+    table.add_row("worst", *(f"{e:.3f}" for e in summary.energy_retained_min),
+                  *(str(r) for r in summary.rank_for_energy_max), f"{summary.rope_energy_kept_min:.3f}")
     console.print(table)
     shares = ", ".join(
-        f"{_span([layer['rank_fraction_for_energy'][j] for layer in report['layers']])} for {t * 100:g}%"
-        for j, t in enumerate(report["energy_targets"])
+        f"{_span([layer.rank_fraction_for_energy[j] for layer in report.layers])} for {t * 100:g}%"
+        for j, t in enumerate(report.energy_targets)
     )
-    line(console, f"rotation the shared key drops: mean score loss {summary['rope_score_loss_mean']:.4f} of the "
-                  f"query-weighted rotary key energy ({summary['rope_score_loss_without_mean_rotation_mean']:.4f} "
+    line(console, f"rotation the shared key drops: mean score loss {summary.rope_score_loss_mean:.4f} of the "
+                  f"query-weighted rotary key energy ({summary.rope_score_loss_without_mean_rotation_mean:.4f} "
                   "without the mean-rotation stand-in)")
     line(console, f"share of the {full} singular values that carries the energy (over layers): {shares}")
-    advice = report["recommendation"]
+    advice = report.recommendation
     if advice is not None:
-        line(console, f"--kv-keep {advice['kv_keep']:g}: r = {advice['kv_lora_rank']}, R = {advice['qk_rope_head_dim']} "
-                      f"({advice['kv_elements_per_token_per_layer']} of {report['kv_elements_per_token_per_layer']} "
-                      f"elements, {advice['kv_keep_actual']:.1%}); mean latent energy "
-                      f"{advice['energy_retained_mean']:.4f}, mean RoPE energy kept "
-                      f"{summary['rope_energy_kept_mean']:.4f}; {escape(advice['reason'])}")
+        line(console, f"--kv-keep {advice.kv_keep:g}: r = {advice.kv_lora_rank}, R = {advice.qk_rope_head_dim} "
+                      f"({advice.kv_elements_per_token_per_layer} of {report.kv_elements_per_token_per_layer} "
+                      f"elements, {advice.kv_keep_actual:.1%}); mean latent energy "
+                      f"{advice.energy_retained_mean:.4f}, mean RoPE energy kept "
+                      f"{summary.rope_energy_kept_mean:.4f}; {escape(advice.reason)}")
 
 
 def _span(fractions: list[float]) -> str:

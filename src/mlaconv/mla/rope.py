@@ -186,6 +186,8 @@ def scaled_frequencies(theta: float, head_dim: int, rope_scaling: dict | None, l
         blended = (1 - smooth) * freqs / factor + smooth * freqs
         return torch.where(wavelength > original / low, freqs / factor,
                            torch.where(wavelength < original / high, freqs, blended))
+    if kind != "default":
+        raise ValueError(f"rope type {kind!r} has no per-frequency scaling here (arch.rope_settings refuses it)")
     return freqs
 
 

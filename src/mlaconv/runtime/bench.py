@@ -29,30 +29,27 @@ import torch
 import torch.nn.functional as F
 
 from mlaconv.absorb import MLAShape, absorb_attention
-from mlaconv.mla.layer import MLAAttention
+from mlaconv.mla.layer import AttentionShape, MLAAttention
 from mlaconv.errors import MlaconvError
+from mlaconv import models
 from mlaconv.mla.rope import rotate_interleaved
 from mlaconv.progress import Progress, no_progress
 from mlaconv.runtime.attention import (absorbed_attention, attend_latent, expanded_attention, latent_rows,
                                        rope_cos_sin, standard_latent_rows)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: models.DTYPES[name] for name in ("float32", "bfloat16")}  # the dtypes timed
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768)
 ROPE_THETA = 10000.0
 
 
 @dataclass(frozen=True)
-class SourceShape:
-    label: str
-    hidden: int  # H
-    heads: int  # N
-    kv_heads: int  # n_kv
-    head_dim: int  # d
+class SourceShape(AttentionShape):
+    label: str = ""
 
 
 SHAPES = {
-    "llama2-7b": SourceShape("Llama-2-7B MHA", 4096, 32, 32, 128),
-    "llama3-8b": SourceShape("Llama-3-8B GQA", 4096, 32, 8, 128),
+    "llama2-7b": SourceShape(4096, 32, 32, 128, "Llama-2-7B MHA"),
+    "llama3-8b": SourceShape(4096, 32, 8, 128, "Llama-3-8B GQA"),
 }
 # Both convert to the FlashMLA shape: r = 512, R = 64, P = V = d = 128.
 MLA_SHAPE = MLAShape(hidden=4096, heads=32, rank=512, rope_dim=64, nope_dim=128, v_dim=128)

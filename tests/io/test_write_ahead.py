@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import make_model
+from conftest import RANK, assert_refused, cli, hashes, leftovers, make_model
 from mlaconv import conversion
 from mlaconv.io import ShardedWriter
 from mlaconv.io.writer import _WriteAhead
-from test_robustness import MLACONV, RANK, _wait_for_writing, assert_refused, cli, hashes, leftovers
+from test_writer import MLACONV, _wait_for_writing
 
 
 def _tensors() -> dict[str, torch.Tensor]:

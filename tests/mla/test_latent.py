@@ -122,7 +122,7 @@ def test_the_input_scale_leaves_the_attention_unchanged():
     from mlaconv.mla.attention import convert_attention
 
     from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
-    from mlaconv.reference import Heads, mla_attention, rope_angles
+    from mlaconv.reference import mla_attention, rope_angles
 
     g = torch.Generator().manual_seed(2)
     H, N, G, d, R, r = 32, 4, 2, 8, 4, 12
@@ -136,7 +136,7 @@ def test_the_input_scale_leaves_the_attention_unchanged():
     unscaled = replace(mla, q_proj=mla.q_proj * s, kv_a_proj=mla.kv_a_proj * s, input_norm=src.input_norm.double())
     x = torch.randn(2, 10, H, generator=g, dtype=torch.float64) * src.input_norm.double()
     angles = rope_angles(torch.rand(R // 2, generator=g, dtype=torch.float64), 10)  # any: the same for both
-    heads = Heads(N, G, d)
+    heads = AttentionShape(H, N, G, d)
     scaled_out = mla_attention(x * s, mla, heads, r, R, angles)
     unscaled_out = mla_attention(x, unscaled, heads, r, R, angles)
     assert torch.allclose(scaled_out, unscaled_out, rtol=1e-12, atol=1e-12 * unscaled_out.abs().max().item())

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from typer.testing import CliRunner
 
+from conftest import ROOT
 from mlaconv.cli import app
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def convert(*args):

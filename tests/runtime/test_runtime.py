@@ -90,9 +90,9 @@ def test_cache_holds_r_plus_R_per_token_and_layer(models, name):
     cache = model.new_cache(batch=1, max_tokens=30)
     model.forward(torch.zeros(1, 30, dtype=torch.long), cache)
     r, R, layers = config["kv_lora_rank"], config["qk_rope_head_dim"], config["num_hidden_layers"]
-    assert cache.elements_per_token_per_layer == r + R == report["kv_elements_per_token_per_layer"]["converted"]
+    assert cache.elements_per_token_per_layer == r + R == report.kv_elements_per_token_per_layer.converted
     assert cache.rows.numel() == layers * 30 * (r + R)  # the whole decode state: no K/V anywhere else
-    assert report["kv_elements_per_token_per_layer"]["source"] > r + R
+    assert report.kv_elements_per_token_per_layer.source > r + R
 
 
 def test_absorbed_folder_on_disk_gives_the_in_memory_result(models):

@@ -266,3 +266,10 @@ def test_unexpected_failures_and_interrupts_are_json_errors_too(failure, kind, c
         result = run(*args, "--json")
         assert_json_error(result, kind, code, message)
         assert len([text for text in result.stderr.splitlines() if text.strip()]) == 1, result.stderr
+
+
+def test_version_prints_the_package_version():
+    from mlaconv import __version__
+
+    result = run("--version")
+    assert (result.exit_code, result.stdout) == (0, f"{__version__}\n"), result.output

@@ -1,0 +1,207 @@
+"""``ConversionReport``: what ``mlaconv.convert`` returns and writes to ``OUT/mlaconv.json``, with its sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlaconv.report.evaluation import EvalReport
+from mlaconv.report.record import Failure, Record, WindowSets, optional
+
+
+@dataclass
+class SourceShape(Record):
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    layers_without_rope: list[int]
+
+
+@dataclass
+class KVFigures(Record):
+    source: int
+    converted: int
+
+
+@dataclass
+class EnergyFigures(Record):
+    per_layer: list[float]
+    mean: float
+
+
+@dataclass
+class LatentNorm(Record):
+    eps: float
+    delta: float
+    max_bound: float
+
+
+@dataclass
+class Serving(Record):
+    """What each stack reproduces (``{biases_kept, rope_scaling_exact}``), the MLA kernels the shapes fit."""
+
+    transformers: dict[str, bool]
+    vllm: dict[str, bool]
+    sglang: dict[str, bool]
+    kernels: dict[str, bool]
+    warnings: list[str]
+
+
+@dataclass
+class TargetReport(Record):
+    name: str
+    engines: list[str]
+    biases_written: bool
+    biases_left_out: list[str]
+    rope_rewrite: dict | None
+    note: str | None
+
+
+@dataclass
+class SplitCandidate(Record):
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    mean_attention_error: float
+
+
+@dataclass
+class ShapeSearch(Record):
+    candidates: list[SplitCandidate]
+    chosen: str | None
+    windows: dict[str, list[int]] | None = optional()
+
+
+@dataclass
+class RefinementOutcome(Record):
+    before: float
+    after: float
+    kept: bool
+
+
+@dataclass
+class LayerSelection(Record):
+    """One layer's choices on the select windows: each variant's attention error, the one kept, the refinement's."""
+
+    variants: dict[str, float]
+    kept: str
+    refinement: RefinementOutcome | None = None
+
+
+@dataclass
+class LayerFigures(Record):
+    """Per-layer audit figures of one whole model (None where it has no layer of its own)."""
+
+    attention_error: list[float | None]
+    energy_retained: list[float | None]
+    key_error: list[float | None]
+    value_error: list[float | None]
+    layer_variant: list[str | None]
+    objective_retained: list[float | None]
+
+
+@dataclass
+class Agreement(Record):
+    kl: float
+    top1: float
+
+
+@dataclass
+class WholeModel(Record):
+    windows: int
+    tokens: int
+    closed_form: Agreement = field(metadata={"key": "closed form"})
+    refined: Agreement | None
+    written: str
+    reason: str
+
+
+@dataclass
+class Calibration(Record):
+    windows: int
+    window: int
+    tokens: int
+    window_sets: WindowSets
+    refine_steps: int
+    refine_batch: int
+    refinement: str
+    selection: list[LayerSelection]
+    closed_form: LayerFigures
+    refined: LayerFigures
+    whole_model: WholeModel
+
+
+@dataclass
+class Verification(Record):
+    """The built-in check: transformers' figures and each engine's (``engines``), or why it was ``skipped``."""
+
+    max_abs_logit_diff: float | None = optional()
+    max_rel_logit_diff: float | None = optional()
+    kl: float | None = optional()
+    top1: float | None = optional()
+    dtype: str | None = optional()
+    windows: int | None = optional()
+    tokens: int | None = optional()
+    loader: str | None = optional()
+    engines: dict[str, dict] | None = optional()
+    skipped: str | None = optional()
+
+
+@dataclass
+class Absorbed(Record):
+    folder: str
+    tensors: int
+    max_relative_nonlinearity: float
+
+
+@dataclass
+class ConversionReport(Record):
+    """What ``mlaconv.convert`` returns and writes to ``OUT/mlaconv.json`` (docs/report.md, "convert")."""
+
+    mlaconv_version: str
+    transformers_version: str
+    output: str
+    source: str
+    source_id: str | None
+    source_revision: str | None
+    settings: dict
+    architecture: str
+    source_shape: SourceShape
+    recipe: str | None
+    mode: str
+    dtype: str
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    shape_choice: str
+    rope_theta: float
+    rope_stride: int
+    kv_elements_per_token_per_layer: KVFigures
+    kv_bytes_per_token: KVFigures
+    kv_keep: float
+    energy_retained: EnergyFigures
+    rope_energy_kept: list[float]
+    rope_energy_kept_mean: float
+    rope_energy_kept_per_frequency: list[list[float]]
+    rope_loss_weighted_kept: list[float]
+    key_error: list[float]
+    attention_error: list[float | None]
+    layer_variant: list[str]
+    value_error: list[float]
+    objective_retained: list[float | None]
+    latent_norm: LatentNorm
+    residual_scale: float
+    source_rms_norm_eps: float
+    dropped_bias: list[str]
+    tokenizer_files: list[str]
+    serving: Serving
+    target: TargetReport
+    shape_search: ShapeSearch | None = optional()
+    calibration: Calibration | None = optional()
+    verify: Verification | Failure | None = None
+    eval: EvalReport | Failure | None = optional()
+    absorbed: Absorbed | None = optional()
+    extra: dict = field(default_factory=dict, metadata={"merge": True})  # ConvertOptions.extra_report
+    seconds: float | None = optional()

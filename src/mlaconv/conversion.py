@@ -10,6 +10,7 @@ thread writes while they are (up to ``WRITE_AHEAD_BYTES`` waiting): the same byt
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import time
@@ -21,7 +22,6 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol, TypeVar
 
 import torch
-import transformers
 
 from mlaconv import __version__
 from mlaconv.arch import SourceSpec
@@ -243,7 +243,7 @@ def conversion_report(spec: SourceSpec, shapes: Shapes, config: dict, reports: l
     # biases a target leaves out are in the report's target
     return ConversionReport(
         mlaconv_version=__version__,
-        transformers_version=transformers.__version__,
+        transformers_version=importlib.metadata.version("transformers"),
         output=str(out),
         source=str(source),
         source_id=source_id,

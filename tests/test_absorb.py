@@ -13,8 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import make_model
-from mlaconv.absorb import (MANIFEST, MLAShape, absorb_attention, latent_norm_bound,
-                            norm_nonlinearity, write_absorbed)
+from mlaconv.absorb import MANIFEST, absorb_attention, latent_norm_bound, norm_nonlinearity, write_absorbed
+from mlaconv.deepseek import MLAShape
 from mlaconv.options import ConvertOptions
 from mlaconv.conversion import convert
 from mlaconv.errors import MlaconvError

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from mlaconv import __version__, deepseek
+from mlaconv.deepseek import MLAShape
 from mlaconv.arch import rope_settings
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, ShardedWriter, atomic_output_dir, read_config
@@ -64,31 +65,6 @@ LAYER_TENSORS = {
 
 def layer_name(i: int, tensor: str) -> str:
     return f"layers.{i}.{tensor}"
-
-
-@dataclass(frozen=True)
-class MLAShape:
-    hidden: int  # H
-    heads: int  # N
-    rank: int  # r
-    rope_dim: int  # R
-    nope_dim: int  # P
-    v_dim: int  # V
-
-    @classmethod
-    def from_config(cls, config: dict) -> "MLAShape":
-        return cls(hidden=int(config["hidden_size"]), heads=int(config["num_attention_heads"]),
-                   rank=int(config["kv_lora_rank"]), rope_dim=int(config["qk_rope_head_dim"]),
-                   nope_dim=int(config["qk_nope_head_dim"]), v_dim=int(config["v_head_dim"]))
-
-    @property
-    def cache_elements(self) -> int:
-        """Cached values per token and layer: the latent plus the shared rope key."""
-        return self.rank + self.rope_dim
-
-    @property
-    def softmax_scale(self) -> float:
-        return (self.nope_dim + self.rope_dim) ** -0.5
 
 
 @dataclass

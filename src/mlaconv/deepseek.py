@@ -8,6 +8,8 @@ file loads in every version from 4.53 on.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mlaconv.arch import SourceSpec
@@ -112,3 +114,30 @@ def read_attention(reader: CheckpointReader, i: int) -> MLAAttention:
                         kv_a_norm=reader.get(p + KV_A_NORM), kv_b_proj=reader.get(p + KV_B_PROJ),
                         o_proj=reader.get(p + O_PROJ), input_norm=reader.get(p + INPUT_NORM),
                         kv_a_bias=optional(KV_A_BIAS), o_bias=optional(O_BIAS))
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """A DeepSeek-V3 config's attention shape (P = qk_nope_head_dim, V = v_head_dim)."""
+
+    hidden: int  # H
+    heads: int  # N
+    rank: int  # r
+    rope_dim: int  # R
+    nope_dim: int  # P
+    v_dim: int  # V
+
+    @classmethod
+    def from_config(cls, config: dict) -> "MLAShape":
+        return cls(hidden=int(config["hidden_size"]), heads=int(config["num_attention_heads"]),
+                   rank=int(config["kv_lora_rank"]), rope_dim=int(config["qk_rope_head_dim"]),
+                   nope_dim=int(config["qk_nope_head_dim"]), v_dim=int(config["v_head_dim"]))
+
+    @property
+    def cache_elements(self) -> int:
+        """Cached values per token and layer: the latent plus the shared rope key."""
+        return self.rank + self.rope_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return (self.nope_dim + self.rope_dim) ** -0.5

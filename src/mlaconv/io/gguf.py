@@ -41,6 +41,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import LlamaFileType
 
 from mlaconv import deepseek
+from mlaconv.deepseek import MLAShape
 from mlaconv.errors import MlaconvError
 from mlaconv.io.gguf_vocab import Vocabulary, read_vocabulary
 from mlaconv.io.source import CheckpointReader, read_config
@@ -61,16 +62,10 @@ _MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 
 
 @dataclass(frozen=True)
-class DeepseekShape:
-    """The dense DeepSeek-V3 config, as llama.cpp's deepseek2 needs it (P = qk_nope_head_dim, V = v_head_dim)."""
+class DeepseekShape(MLAShape):
+    """The dense DeepSeek-V3 config, as llama.cpp's deepseek2 needs it: the attention's shape and the rest."""
 
-    hidden: int
     layers: int
-    heads: int
-    rank: int
-    rope_dim: int
-    nope_dim: int
-    v_dim: int
     ffn: int
     vocab: int
     eps: float

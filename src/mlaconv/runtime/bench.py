@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from mlaconv.absorb import MLAShape, absorb_attention
+from mlaconv.absorb import absorb_attention
+from mlaconv.deepseek import MLAShape
 from mlaconv.mla.layer import AttentionShape, MLAAttention
 from mlaconv.errors import MlaconvError
 from mlaconv import models

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from mlaconv import deepseek
-from mlaconv.absorb import (ABSORBED_DIR, MANIFEST, AbsorbedAttention, MLAShape, RopeSpec, check_config,
+from mlaconv.deepseek import MLAShape
+from mlaconv.absorb import (ABSORBED_DIR, MANIFEST, AbsorbedAttention, RopeSpec, check_config,
                             checked_absorb, read_absorbed_layer, read_absorbed_manifest)
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, read_config

@@ -10,40 +10,34 @@ thread writes while they are (up to ``WRITE_AHEAD_BYTES`` waiting): the same byt
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing, nullcontext
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol, TypeVar
 
 import torch
 
-from mlaconv import __version__
-from mlaconv.arch import SourceSpec
-from mlaconv.engines import BIASES
 from mlaconv.errors import MlaconvError
 from mlaconv.evaluate import evaluate_perplexity
 from mlaconv.io import ShardedWriter, atomic_output_dir, check_free_space, check_output_target
 from mlaconv.io.heap import heap_reuse
 from mlaconv.io.layout import LayerWriter, copy_tokenizer
 from mlaconv.mla.attention import convert_attention
-from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 from mlaconv.mla.layer import LayerReport, MLAAttention, SourceAttention
 from mlaconv.model_card import write_model_card
 from mlaconv.options import ConvertOptions
 from mlaconv.pipeline import SourceLayer, source_layers
-from mlaconv.plan import (Plan, Shapes, estimate_output_bytes, eval_source, kv_cache_figures, output_config,
-                          output_dtype, plan_conversion, with_rope_stride)
+from mlaconv.plan import (Plan, estimate_output_bytes, eval_source, output_config, output_dtype, plan_conversion,
+                          with_rope_stride)
+from mlaconv.conversion_report import conversion_report
 from mlaconv.progress import Progress, no_progress
 from mlaconv.report import ConversionReport, EvalReport
-from mlaconv.report.conversion import Absorbed, EnergyFigures, KVFigures, LatentNorm, SourceShape, TargetReport
+from mlaconv.report.conversion import Absorbed
 from mlaconv.report.record import Failure
-from mlaconv.serving import serving_notes
 from mlaconv.targets import target_report
 
 WRITE_AHEAD_BYTES = 64 * 2**20  # tensors waiting for the writer's thread, at most (or one larger)
@@ -230,60 +224,3 @@ def _evaluate(converted: Path, source: Path, out: Path, options: ConvertOptions,
                                  device=options.device if options.device != "cpu" else None, progress=progress)
     result.model = str(out)
     return result
-
-
-def conversion_report(spec: SourceSpec, shapes: Shapes, config: dict, reports: list[LayerReport], out: Path,
-                      source_id: str | None, source: Path, dtype: torch.dtype, residual_scale: float,
-                      options: ConvertOptions, copied: list[str], target: TargetReport) -> ConversionReport:
-    """The report's top-level figures of the written layers (``reports``); the optional sections come after."""
-    kv = kv_cache_figures(spec, shapes, dtype)
-    energy = [r.energy_retained for r in reports]
-    rope_kept = [r.rope_energy_kept for r in reports]
-    dropped = sorted({b for r in reports for b in r.dropped_bias} - set(BIASES))  # no stack holds these; the
-    # biases a target leaves out are in the report's target
-    return ConversionReport(
-        mlaconv_version=__version__,
-        transformers_version=importlib.metadata.version("transformers"),
-        output=str(out),
-        source=str(source),
-        source_id=source_id,
-        source_revision=source.name if source.parent.name == "snapshots" else None,
-        settings={k: v for k, v in asdict(options).items() if k not in ("extra_report", "force")},
-        architecture=spec.family.label,
-        source_shape=SourceShape(spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                                 spec.rotary_dim, [i for i, rotated in enumerate(spec.rope_layers) if not rotated]),
-        recipe=options.recipe,
-        mode="weights-only",
-        dtype=str(dtype).replace("torch.", ""),
-        kv_lora_rank=shapes.rank,
-        qk_rope_head_dim=shapes.rope_dim,
-        qk_nope_head_dim=spec.head_dim,
-        v_head_dim=spec.head_dim,
-        shape_choice=shapes.reason,
-        rope_theta=config["rope_theta"],
-        rope_stride=reports[0].rope_stride,
-        kv_elements_per_token_per_layer=KVFigures(**kv["elements_per_token_per_layer"]),
-        kv_bytes_per_token=KVFigures(**kv["bytes_per_token"]),
-        kv_keep=(shapes.rank + shapes.rope_dim) / spec.kv_elements_per_token_per_layer,
-        energy_retained=EnergyFigures(energy, _mean(energy)),
-        rope_energy_kept=rope_kept,
-        rope_energy_kept_mean=_mean(rope_kept),
-        rope_energy_kept_per_frequency=[r.rope_energy_kept_per_frequency for r in reports],
-        rope_loss_weighted_kept=[r.rope_loss_weighted_kept for r in reports],
-        key_error=[r.key_error for r in reports],
-        attention_error=[r.attention_error for r in reports],
-        layer_variant=[r.variant for r in reports],
-        value_error=[r.value_error for r in reports],
-        objective_retained=[r.objective_retained for r in reports],
-        latent_norm=LatentNorm(LATENT_NORM_EPS, options.delta, max(r.latent_bound for r in reports)),
-        residual_scale=residual_scale,
-        source_rms_norm_eps=spec.rms_norm_eps,
-        dropped_bias=dropped,
-        tokenizer_files=copied,
-        serving=serving_notes(spec, config, dropped),
-        target=target,
-    )
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")

@@ -88,8 +88,7 @@ def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, opti
     nk, nv = (nk if nk > 1e-9 * scale else scale), (nv if nv > 1e-9 * scale else scale)
     if options.latent_weighting == "attention":
         return target, torch.block_diag(key_weight / nk, value_weight / nv)
-    ones = torch.ones(k_nope.shape[0] + v.shape[0], dtype=target.dtype)
-    return target, torch.cat([ones[: k_nope.shape[0]] / nk, ones[k_nope.shape[0]:] / nv])
+    return target, torch.cat([k_nope.new_ones(k_nope.shape[0]) / nk, v.new_ones(v.shape[0]) / nv])
 
 
 @dataclass

@@ -42,6 +42,7 @@ from mlaconv import calibrated  # noqa: E402
 from mlaconv.conversion import convert  # noqa: E402
 from mlaconv.options import ConvertOptions  # noqa: E402
 from mlaconv.errors import MlaconvError  # noqa: E402
+from mlaconv.mla.refine import CHECK_EVERY, REFINE_BATCH  # noqa: E402
 
 MODELS = {
     "stories260K": HERE.parent / "examples" / "stories260K",
@@ -55,7 +56,7 @@ METHODS = ("joint-svd", "transmla", "mlaconv-w", "mlaconv-c")  # the default; tr
 
 
 def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_steps: int | None,
-               refine_batch: int = 4, refine_check_every: int = 10) -> dict:
+               refine_batch: int = REFINE_BATCH, refine_check_every: int = CHECK_EVERY) -> dict:
     """Convert ``source`` with one method at one budget; return what the conversion chose."""
     if method == "joint-svd":
         report = convert_joint_svd(source, out, kv_keep=kv_keep)
@@ -99,8 +100,9 @@ def main() -> None:
                         help="comma-separated: " + ", ".join(METHODS) + ", transmla-si")
     parser.add_argument("--refine-steps", type=int, default=None,
                         help="mlaconv-c: layer-wise refinement steps (default: mlaconv's own default)")
-    parser.add_argument("--refine-batch", type=int, default=4, help="mlaconv-c: windows per step with --refine-steps")
-    parser.add_argument("--refine-check-every", type=int, default=10,
+    parser.add_argument("--refine-batch", type=int, default=REFINE_BATCH,
+                        help="mlaconv-c: windows per step with --refine-steps")
+    parser.add_argument("--refine-check-every", type=int, default=CHECK_EVERY,
                         help="mlaconv-c: steps between held-out measurements with --refine-steps")
     parser.add_argument("--work", type=Path, default=HERE / "_work" / "fidelity", help="where checkpoints go")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")

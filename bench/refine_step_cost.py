@@ -2,11 +2,13 @@
 """What one refinement step costs on a layer of a given shape, against the plan's estimate (issue 16).
 
 Times ``mlaconv.mla.refine.refine`` on random factors and inputs of the shape of one layer (default: Llama-3.2-1B
-at --kv-keep 0.5, r = 448, R = 64, windows of 2048 as the CLI calibrates by default, 4 windows a step) and prints
-the wall and CPU seconds per step next to ``refinement_flops / CPU_FLOPS``, the estimate ``refinement_plan`` uses.
+at --kv-keep 0.5, r = 448, R = 64, windows of 2048 as the CLI calibrates by default, 8 windows a step, the error
+at an eighth of each window's positions, as the default plan runs it) and prints the wall and CPU seconds per step
+next to ``refinement_flops / CPU_FLOPS``, the estimate ``refinement_plan`` uses.
 
-    python bench/refine_step_cost.py                      # Llama-3.2-1B-shaped layer
-    python bench/refine_step_cost.py --window 256 --steps 5
+    python bench/refine_step_cost.py                      # Llama-3.2-1B-shaped layer, the default plan's step
+    python bench/refine_step_cost.py --batch 1            # … the reduced CPU plan's step
+    python bench/refine_step_cost.py --batch 4 --queries 0   # … the step before issue 16 (every position)
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from mlaconv.calibrated import CPU_FLOPS  # noqa: E402
+from mlaconv.calibrated import CPU_FLOPS, step_queries  # noqa: E402
 from mlaconv.mla.attention import LatentAttention  # noqa: E402
 from mlaconv.mla.layer import AttentionShape  # noqa: E402
-from mlaconv.mla.refine import refine, refinement_flops  # noqa: E402
+from mlaconv.mla.refine import REFINE_BATCH, refine, refinement_flops  # noqa: E402
 
 
 def main() -> None:
@@ -35,7 +37,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=448)
     parser.add_argument("--rope-dim", type=int, default=64)
     parser.add_argument("--window", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=REFINE_BATCH)
+    parser.add_argument("--queries", type=int, default=None,
+                        help="positions a window a step's error is taken at (default: the plan's eighth; 0: all)")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     H, N, G, d, r, R = args.hidden, args.heads, args.kv_heads, args.head_dim, args.rank, args.rope_dim
@@ -50,16 +54,19 @@ def main() -> None:
     x = torch.randn(args.batch, args.window, H, generator=g)
     y = torch.randn(args.batch, args.window, H, generator=g)
     slots = 1e4 ** (-torch.arange(R // 2, dtype=torch.float64) / (R // 2))
+    queries = step_queries(args.window) if args.queries is None else (args.queries or None)
     one = (x[:1], y[:1])
     timings = {}
     for steps in (0, args.steps):  # the difference removes the select-window measurements
         wall, cpu = time.perf_counter(), time.process_time()
-        refine(latent, shape, R, slots, (x, y), one, steps=steps, batch=args.batch, check_every=max(1, steps))
+        refine(latent, shape, R, slots, (x, y), one, steps=steps, batch=args.batch, check_every=max(1, steps),
+               queries=queries)
         timings[steps] = (time.perf_counter() - wall, time.process_time() - cpu)
     wall = (timings[args.steps][0] - 2 * timings[0][0]) / args.steps
     cpu = (timings[args.steps][1] - 2 * timings[0][1]) / args.steps
-    estimate = refinement_flops(shape, R, r, args.batch * args.window, args.window) / CPU_FLOPS
-    print(f"layer H={H} N={N} G={G} d={d} r={r} R={R}, {args.batch}×{args.window} tokens a step, "
+    estimate = refinement_flops(shape, R, r, args.batch, args.window, queries) / CPU_FLOPS
+    print(f"layer H={H} N={N} G={G} d={d} r={r} R={R}, {args.batch}×{args.window} tokens a step, error at "
+          f"{queries or args.window} positions a window, "
           f"{torch.get_num_threads()} threads")
     print(f"  per step: wall {wall:.2f} s, CPU {cpu:.2f} s; estimate at CPU_FLOPS={CPU_FLOPS:.0e}: {estimate:.2f} s")
 

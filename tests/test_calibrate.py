@@ -267,21 +267,22 @@ def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_s
     plan = plan_conversion(str(stories), options)
     streamer = conversion.calibration_streamer(plan, options)
     full_flops = conversion.DEFAULT_REFINE_STEPS * plan.spec.num_layers * conversion.refinement_flops(
-        plan.shape, plan.shapes.rope_dim, plan.shapes.rank, 4 * 96, 96)
+        plan.shape, plan.shapes.rope_dim, plan.shapes.rank, conversion.REFINE_BATCH, 96, 96 // 8)
 
     def planned(cpu_seconds_for_the_full_refinement: float):
         monkeypatch.setattr(conversion, "CPU_FLOPS", full_flops / cpu_seconds_for_the_full_refinement)
         return conversion.refinement_plan(plan, options, streamer)
 
     full = planned(600)
-    assert (full.steps, full.batch, full.note, full.lr) == (75, 4, "default", 3e-2)
+    assert (full.steps, full.batch, full.note, full.lr, full.queries) == (150, 8, "default", 3e-2, 12)
     reduced = planned(2 * 3600)
-    assert reduced.batch == 1 and 25 <= reduced.steps < 200 and reduced.note.startswith("reduced:")
+    assert reduced.batch == 1 and 25 <= reduced.steps < 1200 and reduced.note.startswith("reduced:")
+    assert reduced.queries == 12  # an eighth of each 96-token window's positions, as in the full plan
     assert reduced.lr == 3e-3  # the rate the reduced plan's figures were measured at
     skipped = planned(1000 * 3600)
     assert skipped.steps == 0 and skipped.note.startswith("skipped: even 25 steps")
     assert conversion.refinement_plan(plan, replace(options, refine_steps=7), streamer).steps == 7
-    assert conversion.refinement_plan(plan, replace(options, device="cuda:0"), streamer).steps == 75
+    assert conversion.refinement_plan(plan, replace(options, device="cuda:0"), streamer).steps == 150
 
 
 def test_calibration_tokens_from_text_and_bad_input(tiny_model, tmp_path):

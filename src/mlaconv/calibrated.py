@@ -22,14 +22,13 @@ from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
 from mlaconv.mla.attention import assemble, convert_attention, factor_attention, latent_errors
 from mlaconv.mla.layer import LayerOptions, LayerReport, MLAAttention
-from mlaconv.mla.refine import CHECK_EVERY, REFINE_LR, refine, refinement_flops
+from mlaconv.mla.refine import CHECK_EVERY, QUERY_SHARE, REFINE_BATCH, REFINE_LR, refine, refinement_flops
 from mlaconv.progress import Progress, no_progress
 from mlaconv.report.conversion import (Agreement, Calibration, LayerFigures, LayerSelection, RefinementOutcome,
                                        ShapeSearch, SplitCandidate, WholeModel)
 from mlaconv.report.record import WindowSets
 
-DEFAULT_REFINE_STEPS = 75  # at REFINE_LR; 200 steps at 3e-3 before issue 16 (bench/README.md)
-DEFAULT_REFINE_BATCH = 4  # calibration windows per refinement step
+DEFAULT_REFINE_STEPS = 150  # of REFINE_BATCH windows at REFINE_LR (75 of 4, then 200 at 3e-3 before: bench/README.md)
 MIN_REDUCED_STEPS = 25  # below this a reduced refinement is not worth running (see bench/README.md)
 REDUCED_REFINE_LR = 3e-3  # the reduced plan's steps of one window, at the rate its figures were measured with
 # What refinement assumes a CPU sustains when it estimates its own cost. Conservative: on the 2 cores this was
@@ -135,52 +134,58 @@ class RefinementPlan:
     note: str  # why, for the report
     check_every: int = CHECK_EVERY  # steps between two measurements on the select windows
     lr: float = REFINE_LR  # relative learning rate (``refine``)
+    queries: int | None = None  # positions of each window a step's error is taken at (None: all)
+
+
+def step_queries(window: int) -> int:
+    """Positions of a ``window``-token window that one refinement step takes its error at."""
+    return max(1, window // QUERY_SHARE)
 
 
 def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreamer | None) -> RefinementPlan:
     """How much refinement to run per layer, and why.
 
-    The default is 75 steps of 4 fit windows at a relative learning rate of 3e-2, measured on the select windows
-    every 10 steps. On a CPU, where that is estimated above 30 minutes, it is reduced to steps of one window at
-    3e-3, measured once at the end, as many as fit in 30 minutes (at least 25: on the bench models 25 such
-    steps removed 54–66% of the closed form's PPL drift at 50% and 75% KV cuts, with the fit/select/audit split),
-    else skipped; the note says which.
+    The default is 150 steps of 8 fit windows at a relative learning rate of 3e-2, each step's error taken at an
+    eighth of every window's positions, measured on the select windows every 25 steps. On a CPU, where that is
+    estimated above 30 minutes, it is reduced to steps of one window (an eighth of its positions) at 3e-3,
+    measured once at the end, as many as fit in 30 minutes (at least 25), else skipped; the note says which.
     """
     if streamer is None:
-        return RefinementPlan(0, DEFAULT_REFINE_BATCH, "no calibration data")
+        return RefinementPlan(0, REFINE_BATCH, "no calibration data")
     if options.refine_steps == 0:
-        return RefinementPlan(0, DEFAULT_REFINE_BATCH, "off (--refine-steps 0)")
+        return RefinementPlan(0, REFINE_BATCH, "off (--refine-steps 0)")
+    window = streamer.options.tokens.shape[1]
+    queries = step_queries(window)
     if options.refine_steps is not None:
         return RefinementPlan(options.refine_steps, options.refine_batch, "set by --refine-steps",
-                              check_every=options.refine_check_every)
-    window = streamer.options.tokens.shape[1]
+                              check_every=options.refine_check_every, queries=queries)
     selected = len(streamer.split.select)
 
     def seconds(steps: int, batch: int, check_every: int) -> float:
         """Estimated CPU time of the whole refinement: the steps, and the select-window measurements (forward
-        only, ⅓ of a step's work) before the first step and every ``check_every`` steps."""
-        def flops(count: int) -> float:
-            return refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, count * window, window)
+        only at every position, ⅓ of such a step's work) before the first step and every ``check_every`` steps."""
+        def flops(windows: int, at: int | None) -> float:
+            return refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, windows, window, at)
 
         checks = 1 + -(-steps // check_every)
-        work = steps * flops(batch) + checks * flops(selected) / 3
+        work = steps * flops(batch, queries) + checks * flops(selected, None) / 3
         return plan.spec.num_layers * work / CPU_FLOPS
 
-    full = seconds(DEFAULT_REFINE_STEPS, DEFAULT_REFINE_BATCH, CHECK_EVERY)
+    full = seconds(DEFAULT_REFINE_STEPS, REFINE_BATCH, CHECK_EVERY)
     if options.calibration_device.startswith("cuda") or full <= AUTO_REFINE_SECONDS:
-        return RefinementPlan(DEFAULT_REFINE_STEPS, DEFAULT_REFINE_BATCH, "default")
-    most = DEFAULT_REFINE_STEPS * DEFAULT_REFINE_BATCH  # as many windows as the full plan's steps see
+        return RefinementPlan(DEFAULT_REFINE_STEPS, REFINE_BATCH, "default", queries=queries)
+    most = DEFAULT_REFINE_STEPS * REFINE_BATCH  # as many windows as the full plan's steps see
     fits = [n for n in range(MIN_REDUCED_STEPS, most + 1) if seconds(n, 1, n) <= AUTO_REFINE_SECONDS]
     advice = (f"pass --refine-steps {DEFAULT_REFINE_STEPS} to run the full refinement anyway, or calibrate with "
               "--device cuda")
     if fits:
         steps = fits[-1]
         return RefinementPlan(steps, 1, (f"reduced: {steps} steps of one window, about 30 min on this CPU by estimate "
-                                         f"(the full {DEFAULT_REFINE_STEPS} steps of {DEFAULT_REFINE_BATCH} would take "
+                                         f"(the full {DEFAULT_REFINE_STEPS} steps of {REFINE_BATCH} would take "
                                          f"about {full / 3600:.1f} h); {advice}"), check_every=steps,
-                              lr=REDUCED_REFINE_LR)
+                              lr=REDUCED_REFINE_LR, queries=queries)
     least = seconds(MIN_REDUCED_STEPS, 1, MIN_REDUCED_STEPS)
-    return RefinementPlan(0, DEFAULT_REFINE_BATCH, (
+    return RefinementPlan(0, REFINE_BATCH, (
         f"skipped: even {MIN_REDUCED_STEPS} steps of one window would take about {least / 3600:.1f} h on this CPU "
         f"by estimate (the full refinement {full / 3600:.1f} h); {advice}"))
 
@@ -235,7 +240,8 @@ def calibrate_layer(source: SourceLayer, plan: Plan, search: bool = True, refine
     if refinement is not None and refinement.steps:
         train, select = streamer.refinement_data(i, src, refine_windows)
         result = refine(latent, plan.shape, run.rope_dim, run.slot_frequencies, train, select, steps=refinement.steps,
-                        batch=refinement.batch, check_every=refinement.check_every, lr=refinement.lr)
+                        batch=refinement.batch, check_every=refinement.check_every, lr=refinement.lr,
+                        queries=refinement.queries)
         kept = result.after < result.before
         selection.refinement = RefinementOutcome(result.before, result.after, kept)
         if kept:
@@ -317,7 +323,8 @@ def calibration_report(streamer: SourceStreamer, refinement: RefinementPlan, lay
     refined = agreement.get(REFINED)
     return Calibration(
         windows=windows, window=window, tokens=streamer.token_count, window_sets=window_sets(split),
-        refine_steps=refinement.steps, refine_batch=refinement.batch, refinement=refinement.note,
+        refine_steps=refinement.steps, refine_batch=refinement.batch, refine_queries=refinement.queries,
+        refinement=refinement.note,
         selection=[layer.selection for layer in layers],
         closed_form=layer_figures([layer.closed for layer in layers]),
         refined=layer_figures([layer.refined for layer in layers]),

@@ -23,7 +23,7 @@ import yaml
 from mlaconv.errors import MlaconvError
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
 from mlaconv.mla.latent_norm import DEFAULT_DELTA
-from mlaconv.mla.refine import CHECK_EVERY
+from mlaconv.mla.refine import CHECK_EVERY, REFINE_BATCH
 from mlaconv.models import default_device
 from mlaconv.targets import DEFAULT_TARGET
 
@@ -89,12 +89,12 @@ class ConvertOptions:
                                 recipe=(str,), spectra=True)
     layer_search: bool = True  # calibrated: keep, per layer, the variant with the least measured error
     refine_steps: int | None = option(None, "With calibration: gradient steps per layer on its measured attention "
-                                            "error, kept only if it measures better on held-out windows (default: 75 "
-                                            "steps of 4 windows on CUDA, or on a CPU where that is estimated under 30 "
+                                            "error, kept only if it measures better on held-out windows (default: 150 "
+                                            "steps of 8 windows on CUDA, or on a CPU where that is estimated under 30 "
                                             "min; else as many steps of 1 window as fit in 30 min, at least 25; 0 = "
                                             "closed form only).", int)
     refine_windows: int = 16  # fit windows those steps train on (at most)
-    refine_batch: int = 4  # windows per step when refine_steps is given (the default plan chooses its own)
+    refine_batch: int = REFINE_BATCH  # windows per step when refine_steps is given (the default plan chooses its own)
     refine_check_every: int = CHECK_EVERY  # steps between select-window measurements when refine_steps is given
     absorbed: bool = option(False, "Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to "
                                    "OUT/absorbed.", bool)

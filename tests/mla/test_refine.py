@@ -10,7 +10,7 @@ import torch
 from mlaconv.mla.attention import LatentAttention
 
 from mlaconv.mla.layer import AttentionShape
-from mlaconv.mla.refine import latent_attention, refine
+from mlaconv.mla.refine import latent_attention, refine, refinement_flops
 
 SHAPE = AttentionShape(hidden=32, heads=4, kv_heads=2, head_dim=8)
 R, RANK = 4, 8
@@ -68,3 +68,33 @@ def test_a_rate_that_is_too_high_backs_off_instead_of_giving_up():
     backing_off = refine(start, SHAPE, R, slots, train, select, steps=60, lr=1.0, check_every=3)
     assert fixed_rate.after == fixed_rate.before
     assert backing_off.after < 0.8 * backing_off.before
+
+
+def test_the_error_at_some_positions_is_the_full_layer_there():
+    """A step that takes its error at a few positions sees exactly the full causal layer's outputs there."""
+    start, slots, (x, _), _ = problem()
+    angles = torch.arange(x.shape[1], dtype=torch.float64)[:, None] * slots[None, :]
+    cos, sin = angles.cos().float(), angles.sin().float()
+    params = {name: t.float() for name, t in start.trainable().items()}
+    fixed = replace(start, o=start.o.float())
+    at = torch.tensor([0, 3, 4, 11, 15])
+    with torch.no_grad():
+        full = latent_attention(x, params, fixed, SHAPE, R, cos, sin)
+        some = latent_attention(x, params, fixed, SHAPE, R, cos, sin, at)
+    assert some.shape == (x.shape[0], len(at), SHAPE.hidden)
+    torch.testing.assert_close(some, full[:, at], rtol=1e-5, atol=1e-6)
+
+
+def test_refinement_on_a_share_of_the_positions_still_finds_a_better_state():
+    start, slots, train, select = problem()
+    result = refine(start, SHAPE, R, slots, train, select, steps=30, check_every=5, queries=4)
+    assert result.before == select_error(start, slots, select)
+    assert result.after < 0.7 * result.before
+    assert abs(result.after - select_error(result.latent, slots, select)) < 1e-4 * result.before
+
+
+def test_refinement_work_by_hand():
+    """Per token the latent, rotated key, K and V: 32·(8+4) + 8·2·2·8 = 640; per query q, W_o and the scores over the
+    window: 32·4·12 + 32·4·8 + 16·4·(2·8+4) = 3840; forward and backward ×3, multiply-adds ×2."""
+    assert refinement_flops(SHAPE, R, RANK, windows=2, window=16, queries=4) == 6 * 2 * (16 * 640 + 4 * 3840)
+    assert refinement_flops(SHAPE, R, RANK, 2, 16) == refinement_flops(SHAPE, R, RANK, 2, 16, queries=16)

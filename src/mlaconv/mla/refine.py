@@ -21,19 +21,28 @@ from mlaconv.mla.attention import LatentAttention
 from mlaconv.mla.layer import AttentionShape
 from mlaconv.mla.rope import rotate_interleaved
 
-CHECK_EVERY = 10  # steps between two measurements on the select windows
-REFINE_LR = 3e-2  # relative learning rate to start from: with BACKOFF, 75 steps measured better on the select
-# windows than 200 at a fixed 3e-3 (bench/README.md, issue 16)
+CHECK_EVERY = 25  # steps between two measurements on the select windows
+REFINE_LR = 3e-2  # relative learning rate to start from (with BACKOFF; bench/README.md, issue 16)
+REFINE_BATCH = 8  # training windows per step
+QUERY_SHARE = 8  # a step's error is taken at 1/QUERY_SHARE of each window's positions: 150 steps of 8 windows so
+# measured as well on the select windows as 75 of 4 at every position, in less time (bench/README.md, issue 16)
 BACKOFF = 3.0  # a check that does not beat the best state goes back to it and divides the rate by this
 
 
 def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentAttention, shape: AttentionShape,
-                     rope_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The linear MLA layer on x [B, S, H] → [B, S, H], with the trainable factors taken from ``p``."""
+                     rope_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+                     queries: torch.Tensor | None = None) -> torch.Tensor:
+    """The linear MLA layer on x [B, S, H] → [B, S, H], with the trainable factors taken from ``p``; with
+    ``queries`` (sorted positions [Q]) only the outputs at those positions → [B, Q, H]."""
     B, S, _ = x.shape
     N, G, d, R = shape.heads, shape.kv_heads, shape.head_dim, rope_dim
-    q_nope = F.linear(x, p["q_nope"]).view(B, S, N, d).transpose(1, 2)
-    q_rope = rotate_interleaved(F.linear(x, p["q_rope"]).view(B, S, N, R).transpose(1, 2), cos, sin)
+    xq, cq, sq, mask = x, cos, sin, None
+    if queries is not None:
+        xq, cq, sq = x[:, queries], cos[queries], sin[queries]
+        mask = queries[:, None] >= torch.arange(S, device=x.device)[None, :]  # [Q, S] causal
+    Q = xq.shape[1]
+    q_nope = F.linear(xq, p["q_nope"]).view(B, Q, N, d).transpose(1, 2)
+    q_rope = rotate_interleaved(F.linear(xq, p["q_rope"]).view(B, Q, N, R).transpose(1, 2), cq, sq)
     latent = F.linear(x, p["down"])  # [B, S, r]
     bias = None if fixed.k_rope_bias is None else fixed.k_rope_bias.to(x.dtype)
     k_rope = rotate_interleaved(F.linear(x, p["k_rope"], bias), cos, sin)[:, None]  # [B, 1, S, R]
@@ -41,9 +50,9 @@ def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentA
     v = F.linear(latent, p["up_v"]).view(B, S, G, d).transpose(1, 2).repeat_interleave(N // G, dim=1)
     q = torch.cat([q_nope, q_rope], dim=-1)
     k = torch.cat([k_nope, k_rope.expand(B, N, S, R)], dim=-1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # scale (d+R)^-½
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # scale (d+R)^-½
     o_bias = None if fixed.o_bias is None else fixed.o_bias.to(x.dtype)
-    return F.linear(out.transpose(1, 2).reshape(B, S, N * d), fixed.o.to(x.dtype), o_bias)
+    return F.linear(out.transpose(1, 2).reshape(B, Q, N * d), fixed.o.to(x.dtype), o_bias)
 
 
 @dataclass
@@ -57,12 +66,15 @@ class Refinement:
 def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_frequencies: torch.Tensor,
            train: tuple[torch.Tensor, torch.Tensor], select: tuple[torch.Tensor, torch.Tensor],
            steps: int, lr: float = REFINE_LR, check_every: int = CHECK_EVERY, batch: int = 4, seed: int = 0,
-           backoff: float | None = BACKOFF) -> Refinement:
+           backoff: float | None = BACKOFF, queries: int | None = None) -> Refinement:
     """Adam on the trainable factors of ``latent``; (x, source output) pairs as [B, S, H] float32 tensors.
 
     Each step uses ``batch`` training windows drawn with a fixed seed; each factor's learning rate is
-    ``lr`` times its RMS, so steps are relative to the factor's scale. Every ``check_every`` steps (and after
-    the last) the error on ``select`` is measured; the best measured state, the closed form included, is returned.
+    ``lr`` times its RMS, so steps are relative to the factor's scale. With ``queries``, a step's error is taken at
+    that many random positions of each window (the same ones in every window of the step): keys and values are
+    still formed over the whole window, but the query side (the query projections, the scores, W_o), which is most
+    of a wide layer's work, shrinks with it. Every ``check_every`` steps (and after the last) the error on
+    ``select`` is measured at every position; the best measured state, the closed form included, is returned.
     With ``backoff``, a check that is not the best so far restarts Adam from the best state at the rate divided
     by ``backoff``: the select windows choose the rate as they choose the step (a high rate is fast where it
     works; on small calibration sets it is not, and this is how the steps find out).
@@ -79,8 +91,9 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
     optimizer = torch.optim.Adam([{"params": [t], "lr": lr * t.detach().pow(2).mean().sqrt().item()}
                                   for t in params.values()])
 
-    def error(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return (latent_attention(x, params, fixed, shape, rope_dim, cos, sin) - y).pow(2).sum() / y.pow(2).sum()
+    def error(x: torch.Tensor, y: torch.Tensor, at: torch.Tensor | None = None) -> torch.Tensor:
+        y = y if at is None else y[:, at]
+        return (latent_attention(x, params, fixed, shape, rope_dim, cos, sin, at) - y).pow(2).sum() / y.pow(2).sum()
 
     with torch.no_grad():
         before = best = error(x_select, y_select).item()
@@ -89,7 +102,10 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
     for step in range(1, steps + 1):
         pick = torch.randperm(x_train.shape[0], generator=generator)[:batch].to(device)
         optimizer.zero_grad()
-        error(x_train[pick], y_train[pick]).backward()
+        at = None
+        if queries is not None and queries < S:
+            at = torch.randperm(S, generator=generator)[:queries].sort().values.to(device)
+        error(x_train[pick], y_train[pick], at).backward()
         optimizer.step()
         if step % check_every == 0 or step == steps:
             with torch.no_grad():
@@ -108,9 +124,12 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
     return Refinement(latent=refined, before=before, after=best, steps=steps)
 
 
-def refinement_flops(shape: AttentionShape, rope_dim: int, rank: int, tokens: int, window: int) -> float:
-    """Rough multiply-adds ×2 of one forward+backward step over ``tokens`` tokens in windows of ``window``."""
+def refinement_flops(shape: AttentionShape, rope_dim: int, rank: int, windows: int, window: int,
+                     queries: int | None = None) -> float:
+    """Rough multiply-adds ×2 of one forward+backward step over ``windows`` windows of ``window`` tokens, the
+    error taken at ``queries`` positions of each (all when None)."""
     N, G, d, H = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden
-    projections = H * (N * (d + rope_dim) + rank + rope_dim + N * d) + rank * 2 * G * d
-    attention = window * N * (2 * d + rope_dim)
-    return 3 * 2 * tokens * (projections + attention)
+    queries = window if queries is None else min(queries, window)
+    key_side = H * (rank + rope_dim) + rank * 2 * G * d  # per token: the latent, the rotated key, K and V
+    query_side = H * N * (d + rope_dim) + H * N * d + window * N * (2 * d + rope_dim)  # per query: q, W_o, scores
+    return 3 * 2 * windows * (window * key_side + queries * query_side)

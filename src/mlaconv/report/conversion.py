@@ -130,6 +130,7 @@ class Calibration(Record):
     closed_form: LayerFigures
     refined: LayerFigures
     whole_model: WholeModel
+    refine_queries: int | None = optional()  # positions of each window a step's error is taken at (None: all)
 
 
 @dataclass

@@ -156,24 +156,18 @@ def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreame
         return RefinementPlan(0, REFINE_BATCH, "off (--refine-steps 0)")
     window = streamer.options.tokens.shape[1]
     queries = step_queries(window)
+    train_windows = min(options.refine_windows, len(streamer.split.fit))  # a step draws from these
     if options.refine_steps is not None:
-        return RefinementPlan(options.refine_steps, options.refine_batch, "set by --refine-steps",
+        return RefinementPlan(options.refine_steps, min(options.refine_batch, train_windows), "set by --refine-steps",
                               check_every=options.refine_check_every, queries=queries)
     selected = len(streamer.split.select)
 
     def seconds(steps: int, batch: int, check_every: int) -> float:
-        """Estimated CPU time of the whole refinement: the steps, and the select-window measurements (forward
-        only at every position, ⅓ of such a step's work) before the first step and every ``check_every`` steps."""
-        def flops(windows: int, at: int | None) -> float:
-            return refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, windows, window, at)
-
-        checks = 1 + -(-steps // check_every)
-        work = steps * flops(batch, queries) + checks * flops(selected, None) / 3
-        return plan.spec.num_layers * work / CPU_FLOPS
+        return refinement_seconds(plan, window, selected, steps, batch, check_every)
 
     full = seconds(DEFAULT_REFINE_STEPS, REFINE_BATCH, CHECK_EVERY)
     if options.calibration_device.startswith("cuda") or full <= AUTO_REFINE_SECONDS:
-        return RefinementPlan(DEFAULT_REFINE_STEPS, REFINE_BATCH, "default", queries=queries)
+        return RefinementPlan(DEFAULT_REFINE_STEPS, min(REFINE_BATCH, train_windows), "default", queries=queries)
     most = DEFAULT_REFINE_STEPS * REFINE_BATCH  # as many windows as the full plan's steps see
     fits = [n for n in range(MIN_REDUCED_STEPS, most + 1) if seconds(n, 1, n) <= AUTO_REFINE_SECONDS]
     advice = (f"pass --refine-steps {DEFAULT_REFINE_STEPS} to run the full refinement anyway, or calibrate with "
@@ -188,6 +182,18 @@ def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreame
     return RefinementPlan(0, REFINE_BATCH, (
         f"skipped: even {MIN_REDUCED_STEPS} steps of one window would take about {least / 3600:.1f} h on this CPU "
         f"by estimate (the full refinement {full / 3600:.1f} h); {advice}"))
+
+
+def refinement_seconds(plan: Plan, window: int, selected: int, steps: int, batch: int, check_every: int) -> float:
+    """Estimated CPU time of a whole refinement at ``CPU_FLOPS``: the steps (their error at ``step_queries``
+    positions of each window), and the measurements on ``selected`` select windows (forward only at every
+    position, ⅓ of such a step's work) before the first step and every ``check_every`` steps."""
+    def flops(windows: int, queries: int | None) -> float:
+        return refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, windows, window, queries)
+
+    checks = 1 + -(-steps // check_every)
+    work = steps * flops(batch, step_queries(window)) + checks * flops(selected, None) / 3
+    return plan.spec.num_layers * work / CPU_FLOPS
 
 
 @dataclass

@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""What refinement a CPU user gets for every shipped recipe, by mlaconv's own estimate (issue 16).
+
+For each recipe in ``recipes/`` (shapes checked against its model's config in ``tests/data/configs``, as the tests
+do), the refinement plan ``refinement_plan`` would choose on a CPU: the full plan's estimated hours at
+``CPU_FLOPS``, and what runs instead when that is over 30 minutes (a reduced plan of N steps of one window, or
+none). Beside it, the same estimate for the plan before issue 16's last change (75 steps of 4 windows, the error
+at every position, measured every 10 steps; reduced steps of one whole window).
+
+    python bench/refine_plans.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from mlaconv import calibrated  # noqa: E402
+from mlaconv.arch import SourceSpec  # noqa: E402
+from mlaconv.calibrate import split_windows  # noqa: E402
+from mlaconv.mla.refine import refinement_flops  # noqa: E402
+from mlaconv.options import load_recipe  # noqa: E402
+from mlaconv.plan import Plan, check_recipe  # noqa: E402
+
+BEFORE = dict(steps=75, batch=4, check_every=10)  # the default plan before the error was taken at a share of positions
+
+
+def before_seconds(plan: Plan, window: int, selected: int, steps: int, batch: int, check_every: int) -> float:
+    """The estimate as it was: every step's error at every position."""
+    def flops(windows: int) -> float:
+        return refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, windows, window)
+
+    checks = 1 + -(-steps // check_every)
+    return plan.spec.num_layers * (steps * flops(batch) + checks * flops(selected) / 3) / calibrated.CPU_FLOPS
+
+
+def cpu_plan(seconds, full_steps: int, full_batch: int, full_check: int) -> tuple[float, str]:
+    """(full plan hours, what a CPU runs), with ``refinement_plan``'s rule: the full plan under 30 min, else as many
+    steps of one window as fit (at least 25), else none."""
+    full = seconds(full_steps, full_batch, full_check)
+    if full <= calibrated.AUTO_REFINE_SECONDS:
+        return full / 3600, "full"
+    fits = [n for n in range(calibrated.MIN_REDUCED_STEPS, full_steps * full_batch + 1)
+            if seconds(n, 1, n) <= calibrated.AUTO_REFINE_SECONDS]
+    if fits:
+        return full / 3600, f"{fits[-1]} steps of 1 window"
+    least = seconds(calibrated.MIN_REDUCED_STEPS, 1, calibrated.MIN_REDUCED_STEPS)
+    return full / 3600, f"none (25 steps: {least / 3600:.1f} h)"
+
+
+def main() -> None:
+    print(f"{'recipe':<18} {'r+R':>8} | {'full plan now':>13} {'a CPU runs now':<26} | {'full before':>11} "
+          f"{'a CPU ran before':<26}")
+    for path in sorted((ROOT / "recipes").glob("*.yaml")):
+        recipe = load_recipe(path)
+        spec = SourceSpec.from_config(json.loads((ROOT / "tests" / "data" / "configs" / f"{path.stem}.json").read_text()))
+        shapes = check_recipe(recipe, spec)
+        window = recipe.options["calib_window"]
+        selected = len(split_windows(recipe.options["calib_tokens"] // window).select)
+        plan = Plan(folder=path, spec=spec, reader=None, shapes=shapes, layer=None)
+
+        def now(steps, batch, check_every):
+            return calibrated.refinement_seconds(plan, window, selected, steps, batch, check_every)
+
+        def before(steps, batch, check_every):
+            return before_seconds(plan, window, selected, steps, batch, check_every)
+
+        hours, runs = cpu_plan(now, calibrated.DEFAULT_REFINE_STEPS, calibrated.REFINE_BATCH, calibrated.CHECK_EVERY)
+        old_hours, old_runs = cpu_plan(before, BEFORE["steps"], BEFORE["batch"], BEFORE["check_every"])
+        print(f"{path.stem:<18} {shapes.rank:>4}+{shapes.rope_dim:<3} | {hours:>11.1f} h {runs:<26} | "
+              f"{old_hours:>9.1f} h {old_runs:<26}")
+
+
+if __name__ == "__main__":
+    main()

@@ -38,23 +38,26 @@ def before_seconds(plan: Plan, window: int, selected: int, steps: int, batch: in
     return plan.spec.num_layers * (steps * flops(batch) + checks * flops(selected) / 3) / calibrated.CPU_FLOPS
 
 
-def cpu_plan(seconds, full_steps: int, full_batch: int, full_check: int) -> tuple[float, str]:
-    """(full plan hours, what a CPU runs), with ``refinement_plan``'s rule: the full plan under 30 min, else as many
-    steps of one window as fit (at least 25), else none."""
+def cpu_plan(seconds, full_steps: int, full_batch: int, full_check: int) -> tuple[float, int | None, float]:
+    """(full plan hours, the steps of one window a CPU runs instead (None: the full plan; 0: none), hours of the
+    fewest such steps), with ``refinement_plan``'s rule: the full plan under 30 min, else as many steps of one
+    window as fit (at least 25), else none."""
     full = seconds(full_steps, full_batch, full_check)
+    least = seconds(calibrated.MIN_REDUCED_STEPS, 1, calibrated.MIN_REDUCED_STEPS)
     if full <= calibrated.AUTO_REFINE_SECONDS:
-        return full / 3600, "full"
+        return full / 3600, None, least / 3600
     fits = [n for n in range(calibrated.MIN_REDUCED_STEPS, full_steps * full_batch + 1)
             if seconds(n, 1, n) <= calibrated.AUTO_REFINE_SECONDS]
-    if fits:
-        return full / 3600, f"{fits[-1]} steps of 1 window"
-    least = seconds(calibrated.MIN_REDUCED_STEPS, 1, calibrated.MIN_REDUCED_STEPS)
-    return full / 3600, f"none (25 steps: {least / 3600:.1f} h)"
+    return full / 3600, fits[-1] if fits else 0, least / 3600
 
 
-def main() -> None:
-    print(f"{'recipe':<18} {'r+R':>8} | {'full plan now':>13} {'a CPU runs now':<26} | {'full before':>11} "
-          f"{'a CPU ran before':<26}")
+def describe(steps: int | None, least: float) -> str:
+    return "full" if steps is None else f"{steps} steps of 1 window" if steps else f"none (25 steps: {least:.1f} h)"
+
+
+def recipe_plans() -> dict[str, tuple[tuple[float, int | None, float], tuple[float, int | None, float]]]:
+    """Per recipe name: ``cpu_plan`` now and before."""
+    plans = {}
     for path in sorted((ROOT / "recipes").glob("*.yaml")):
         recipe = load_recipe(path)
         spec = SourceSpec.from_config(json.loads((ROOT / "tests" / "data" / "configs" / f"{path.stem}.json").read_text()))
@@ -69,10 +72,17 @@ def main() -> None:
         def before(steps, batch, check_every):
             return before_seconds(plan, window, selected, steps, batch, check_every)
 
-        hours, runs = cpu_plan(now, calibrated.DEFAULT_REFINE_STEPS, calibrated.REFINE_BATCH, calibrated.CHECK_EVERY)
-        old_hours, old_runs = cpu_plan(before, BEFORE["steps"], BEFORE["batch"], BEFORE["check_every"])
-        print(f"{path.stem:<18} {shapes.rank:>4}+{shapes.rope_dim:<3} | {hours:>11.1f} h {runs:<26} | "
-              f"{old_hours:>9.1f} h {old_runs:<26}")
+        plans[path.stem] = (cpu_plan(now, calibrated.DEFAULT_REFINE_STEPS, calibrated.REFINE_BATCH,
+                                     calibrated.CHECK_EVERY),
+                            cpu_plan(before, BEFORE["steps"], BEFORE["batch"], BEFORE["check_every"]))
+    return plans
+
+
+def main() -> None:
+    print(f"{'recipe':<18} | {'full plan now':>13} {'a CPU runs now':<26} | {'full before':>11} {'a CPU ran before':<26}")
+    for name, ((hours, steps, least), (old_hours, old_steps, old_least)) in recipe_plans().items():
+        print(f"{name:<18} | {hours:>11.1f} h {describe(steps, least):<26} | {old_hours:>9.1f} h "
+              f"{describe(old_steps, old_least):<26}")
 
 
 if __name__ == "__main__":

@@ -57,13 +57,14 @@ def main() -> None:
     queries = step_queries(args.window) if args.queries is None else (args.queries or None)
     one = (x[:1], y[:1])
     timings = {}
-    for steps in (0, args.steps):  # the difference removes the select-window measurements
+    for steps in (args.steps, args.steps, 2 * args.steps):  # the first run warms up; the difference of the
+        # other two is args.steps steps, with the same two select-window measurements (before and after) in each
         wall, cpu = time.perf_counter(), time.process_time()
-        refine(latent, shape, R, slots, (x, y), one, steps=steps, batch=args.batch, check_every=max(1, steps),
+        refine(latent, shape, R, slots, (x, y), one, steps=steps, batch=args.batch, check_every=steps,
                queries=queries)
         timings[steps] = (time.perf_counter() - wall, time.process_time() - cpu)
-    wall = (timings[args.steps][0] - 2 * timings[0][0]) / args.steps
-    cpu = (timings[args.steps][1] - 2 * timings[0][1]) / args.steps
+    wall = (timings[2 * args.steps][0] - timings[args.steps][0]) / args.steps
+    cpu = (timings[2 * args.steps][1] - timings[args.steps][1]) / args.steps
     estimate = refinement_flops(shape, R, r, args.batch, args.window, queries) / CPU_FLOPS
     print(f"layer H={H} N={N} G={G} d={d} r={r} R={R}, {args.batch}×{args.window} tokens a step, error at "
           f"{queries or args.window} positions a window, "

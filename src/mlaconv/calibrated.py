@@ -146,7 +146,7 @@ def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreame
     """How much refinement to run per layer, and why.
 
     The default is 150 steps of 8 fit windows at a relative learning rate of 3e-2, each step's error taken at an
-    eighth of every window's positions, measured on the select windows every 25 steps. On a CPU, where that is
+    eighth of every window's positions, measured on the select windows every 10 steps. On a CPU, where that is
     estimated above 30 minutes, it is reduced to steps of one window (an eighth of its positions) at 3e-3,
     measured once at the end, as many as fit in 30 minutes (at least 25), else skipped; the note says which.
     """
@@ -187,11 +187,12 @@ def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreame
 def refinement_seconds(plan: Plan, window: int, selected: int, steps: int, batch: int, check_every: int) -> float:
     """Estimated CPU time of a whole refinement at ``CPU_FLOPS``: the steps (their error at ``step_queries``
     positions of each window), and the measurements on ``selected`` select windows (forward only at every
-    position, ⅓ of such a step's work) before the first step and every ``check_every`` steps."""
+    position, ⅓ of such a step's work) every ``check_every`` steps and after the last (the closed form's is the
+    variant choice's own)."""
     def flops(windows: int, queries: int | None) -> float:
         return refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, windows, window, queries)
 
-    checks = 1 + -(-steps // check_every)
+    checks = -(-steps // check_every)
     work = steps * flops(batch, step_queries(window)) + checks * flops(selected, None) / 3
     return plan.spec.num_layers * work / CPU_FLOPS
 
@@ -247,7 +248,7 @@ def calibrate_layer(source: SourceLayer, plan: Plan, search: bool = True, refine
         train, select = streamer.refinement_data(i, src, refine_windows)
         result = refine(latent, plan.shape, run.rope_dim, run.slot_frequencies, train, select, steps=refinement.steps,
                         batch=refinement.batch, check_every=refinement.check_every, lr=refinement.lr,
-                        queries=refinement.queries)
+                        queries=refinement.queries, before=measured[label])
         kept = result.after < result.before
         selection.refinement = RefinementOutcome(result.before, result.after, kept)
         if kept:

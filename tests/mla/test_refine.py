@@ -98,3 +98,14 @@ def test_refinement_work_by_hand():
     window: 32·4·12 + 32·4·8 + 16·4·(2·8+4) = 3840; forward and backward ×3, multiply-adds ×2."""
     assert refinement_flops(SHAPE, R, RANK, windows=2, window=16, queries=4) == 6 * 2 * (16 * 640 + 4 * 3840)
     assert refinement_flops(SHAPE, R, RANK, 2, 16) == refinement_flops(SHAPE, R, RANK, 2, 16, queries=16)
+
+
+def test_a_closed_form_error_measured_by_the_caller_is_the_bar_to_beat():
+    start, slots, train, select = problem()
+    own = refine(start, SHAPE, R, slots, train, select, steps=30, check_every=5)
+    given = refine(start, SHAPE, R, slots, train, select, steps=30, check_every=5, before=own.before)
+    assert (given.before, given.after) == (own.before, own.after)
+    unbeatable = refine(start, SHAPE, R, slots, train, select, steps=30, check_every=5, before=0.0)
+    assert unbeatable.after == unbeatable.before == 0.0
+    assert all(torch.equal(unbeatable.latent.trainable()[name], t.float().double())  # the start, as the steps held it
+               for name, t in start.trainable().items())

@@ -21,7 +21,7 @@ from mlaconv.mla.attention import LatentAttention
 from mlaconv.mla.layer import AttentionShape
 from mlaconv.mla.rope import rotate_interleaved
 
-CHECK_EVERY = 25  # steps between two measurements on the select windows
+CHECK_EVERY = 10  # steps between two measurements on the select windows
 REFINE_LR = 3e-2  # relative learning rate to start from (with BACKOFF; bench/README.md, issue 16)
 REFINE_BATCH = 8  # training windows per step
 QUERY_SHARE = 8  # a step's error is taken at 1/QUERY_SHARE of each window's positions: 150 steps of 8 windows so
@@ -66,7 +66,7 @@ class Refinement:
 def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_frequencies: torch.Tensor,
            train: tuple[torch.Tensor, torch.Tensor], select: tuple[torch.Tensor, torch.Tensor],
            steps: int, lr: float = REFINE_LR, check_every: int = CHECK_EVERY, batch: int = 4, seed: int = 0,
-           backoff: float | None = BACKOFF, queries: int | None = None) -> Refinement:
+           backoff: float | None = BACKOFF, queries: int | None = None, before: float | None = None) -> Refinement:
     """Adam on the trainable factors of ``latent``; (x, source output) pairs as [B, S, H] float32 tensors.
 
     Each step uses ``batch`` training windows drawn with a fixed seed; each factor's learning rate is
@@ -75,6 +75,8 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
     still formed over the whole window, but the query side (the query projections, the scores, W_o), which is most
     of a wide layer's work, shrinks with it. Every ``check_every`` steps (and after the last) the error on
     ``select`` is measured at every position; the best measured state, the closed form included, is returned.
+    ``before`` is the closed form's error on ``select`` where the caller has measured it already (that measurement,
+    a forward pass over every select window, is then not repeated).
     With ``backoff``, a check that is not the best so far restarts Adam from the best state at the rate divided
     by ``backoff``: the select windows choose the rate as they choose the step (a high rate is fast where it
     works; on small calibration sets it is not, and this is how the steps find out).
@@ -95,8 +97,10 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
         y = y if at is None else y[:, at]
         return (latent_attention(x, params, fixed, shape, rope_dim, cos, sin, at) - y).pow(2).sum() / y.pow(2).sum()
 
-    with torch.no_grad():
-        before = best = error(x_select, y_select).item()
+    if before is None:
+        with torch.no_grad():
+            before = error(x_select, y_select).item()
+    best = before
     best_params = {name: t.detach().clone() for name, t in params.items()}
     generator = torch.Generator().manual_seed(seed)
     for step in range(1, steps + 1):

@@ -22,6 +22,11 @@ Stages are timed exclusively (a stage nested in another is counted under ``outer
 
     python bench/convert_profile.py --model bench/_work/models/llama-docs --kv-keep 0.5
     python bench/convert_profile.py --model bench/_work/models/qwen2-docs --kv-keep 0.25 --json out.json
+    python bench/convert_profile.py --synthetic 2,1024,16,4,64,2816,32000 --calib-window 512 --calib-tokens 32768
+
+``--synthetic LAYERS,HIDDEN,HEADS,KV_HEADS,HEAD_DIM,INTERMEDIATE,VOCAB`` profiles a random bf16 Llama of that shape
+(``convert_memory.make_checkpoint``) calibrated on random token windows: wider layers than the bench models', where
+the refinement's share of the work differs; the weights are random, so only its times mean anything.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
+sys.path.insert(0, str(ROOT))  # convert_memory, for --synthetic
 
 from mlaconv import calibrate, calibrated, plan as plan_module, verify as verify_module  # noqa: E402
 from mlaconv.conversion import convert  # noqa: E402
@@ -126,7 +132,8 @@ def source_forward(model: Path, tokens: torch.Tensor, batch: int) -> tuple[float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, type=Path)
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--synthetic", help="LAYERS,HIDDEN,HEADS,KV_HEADS,HEAD_DIM,INTERMEDIATE,VOCAB: a random Llama")
     parser.add_argument("--kv-keep", type=float, default=0.5)
     parser.add_argument("--calib", type=Path, help="calibration text (default: MODEL/calib.txt)")
     parser.add_argument("--calib-tokens", type=int, default=16384, help="default: the fidelity bench's 64 × 256")
@@ -136,7 +143,23 @@ def main() -> None:
     parser.add_argument("--no-verify", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if (args.model is None) == (args.synthetic is None):
+        parser.error("give one of --model and --synthetic")
+    with tempfile.TemporaryDirectory() as work:
+        if args.synthetic:
+            from convert_memory import Shape, make_calibration, make_checkpoint
 
+            layers, hidden, heads, kv_heads, head_dim, intermediate, vocab = map(int, args.synthetic.split(","))
+            shape = Shape(f"synthetic-{args.synthetic}", layers, hidden, heads, kv_heads, head_dim, intermediate,
+                          vocab, True)
+            args.model = Path(work) / shape.name
+            make_checkpoint(args.model, shape, shard_bytes=2**31)
+            args.calib = args.model / "calib.jsonl"
+            make_calibration(args.calib, vocab, args.calib_tokens // args.calib_window, args.calib_window)
+        profile(args)
+
+
+def profile(args: argparse.Namespace) -> None:
     options = ConvertOptions(kv_keep=args.kv_keep, calib=[str(args.calib or args.model / "calib.txt")],
                              calib_tokens=args.calib_tokens, calib_window=args.calib_window,
                              calib_batch_size=args.calib_batch_size, refine_steps=args.refine_steps,

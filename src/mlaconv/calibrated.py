@@ -146,9 +146,9 @@ def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreame
     """How much refinement to run per layer, and why.
 
     The default is 150 steps of 8 fit windows at a relative learning rate of 3e-2, each step's error taken at an
-    eighth of every window's positions, checked on an eighth of the select windows' positions every 10 steps. On a
-    CPU, where that is estimated above 30 minutes, it is reduced to steps of one window (an eighth of its positions)
-    at 3e-3, checked once at the end, as many as fit in 30 minutes (at least 25), else skipped; the note says which.
+    eighth of every window's positions, measured on the select windows every 10 steps. On a CPU, where that is
+    estimated above 30 minutes, it is reduced to steps of one window (an eighth of its positions) at 3e-3,
+    measured once at the end, as many as fit in 30 minutes (at least 25), else skipped; the note says which.
     """
     if streamer is None:
         return RefinementPlan(0, REFINE_BATCH, "no calibration data")
@@ -185,15 +185,15 @@ def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreame
 
 
 def refinement_seconds(plan: Plan, window: int, selected: int, steps: int, batch: int, check_every: int) -> float:
-    """Estimated CPU time of a whole refinement at ``CPU_FLOPS``: the steps and the measurements on ``selected``
-    select windows every ``check_every`` steps and after the last (forward only, ⅓ of a step's work), all at
-    ``step_queries`` positions of each window, and the state they choose measured at every position (the closed
-    form's error there is the variant choice's own)."""
+    """Estimated CPU time of a whole refinement at ``CPU_FLOPS``: the steps (their error at ``step_queries``
+    positions of each window), and the measurements on ``selected`` select windows (forward only at every
+    position, ⅓ of such a step's work) every ``check_every`` steps and after the last (the closed form's is the
+    variant choice's own)."""
     def flops(windows: int, queries: int | None) -> float:
         return refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, windows, window, queries)
 
-    queries, checks = step_queries(window), -(-steps // check_every)
-    work = steps * flops(batch, queries) + (checks * flops(selected, queries) + flops(selected, None)) / 3
+    checks = -(-steps // check_every)
+    work = steps * flops(batch, step_queries(window)) + checks * flops(selected, None) / 3
     return plan.spec.num_layers * work / CPU_FLOPS
 
 

@@ -74,9 +74,7 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
     that many random positions of each window (the same ones in every window of the step): keys and values are
     still formed over the whole window, but the query side (the query projections, the scores, W_o), which is most
     of a wide layer's work, shrinks with it. Every ``check_every`` steps (and after the last) the error on
-    ``select`` is measured (with ``queries``, at that many positions of each select window, fixed for all the checks
-    so that they compare states on the same outputs; the state they find best is then measured at every position);
-    the best state, the closed form included, is returned with its error at every position.
+    ``select`` is measured at every position; the best measured state, the closed form included, is returned.
     ``before`` is the closed form's error on ``select`` where the caller has measured it already (that measurement,
     a forward pass over every select window, is then not repeated).
     With ``backoff``, a check that is not the best so far restarts Adam from the best state at the rate divided
@@ -99,24 +97,23 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
         y = y if at is None else y[:, at]
         return (latent_attention(x, params, fixed, shape, rope_dim, cos, sin, at) - y).pow(2).sum() / y.pow(2).sum()
 
-    sampled = queries is not None and queries < S
-    generator = torch.Generator().manual_seed(seed)
-    check_at = torch.randperm(S, generator=generator)[:queries].sort().values.to(device) if sampled else None
-    with torch.no_grad():
-        if before is None:
+    if before is None:
+        with torch.no_grad():
             before = error(x_select, y_select).item()
-        best = before if check_at is None else error(x_select, y_select, check_at).item()
-    start = {name: t.detach().clone() for name, t in params.items()}
-    best_params = start
+    best = before
+    best_params = {name: t.detach().clone() for name, t in params.items()}
+    generator = torch.Generator().manual_seed(seed)
     for step in range(1, steps + 1):
         pick = torch.randperm(x_train.shape[0], generator=generator)[:batch].to(device)
         optimizer.zero_grad()
-        at = torch.randperm(S, generator=generator)[:queries].sort().values.to(device) if sampled else None
+        at = None
+        if queries is not None and queries < S:
+            at = torch.randperm(S, generator=generator)[:queries].sort().values.to(device)
         error(x_train[pick], y_train[pick], at).backward()
         optimizer.step()
         if step % check_every == 0 or step == steps:
             with torch.no_grad():
-                measured = error(x_select, y_select, check_at).item()
+                measured = error(x_select, y_select).item()
             if measured < best:
                 best = measured
                 best_params = {name: t.detach().clone() for name, t in params.items()}
@@ -127,15 +124,6 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
                 optimizer.state.clear()
                 for group in optimizer.param_groups:
                     group["lr"] /= backoff
-    if check_at is not None:  # the checks chose on a share of the positions: the choice is measured on all of them
-        best = before
-        if best_params is not start:
-            with torch.no_grad():
-                for name, t in params.items():
-                    t.copy_(best_params[name])
-                best = error(x_select, y_select).item()
-            if best >= before:
-                best, best_params = before, start
     refined = replace(latent, **{name: t.to("cpu", torch.float64) for name, t in best_params.items()})
     return Refinement(latent=refined, before=before, after=best, steps=steps)
 

@@ -6,7 +6,7 @@ layer in its calibrated variant at the --kv-keep budget's default split, and run
 given, printing the wall time and the relative attention error on the select windows (which choose settings)
 and on the audit windows (reported only). Never touches eval.txt.
 
-    python bench/refine_layer.py llama-docs 0.5 2 "steps=200,lr=3e-3;steps=75;steps=75,backoff=None"
+    python bench/refine_layer.py llama-docs 0.5 2 "steps=75,batch=4;steps=150,queries=32"   # keywords of mlaconv.mla.refine.refine
 """
 
 import sys

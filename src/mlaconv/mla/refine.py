@@ -25,7 +25,8 @@ CHECK_EVERY = 10  # steps between two measurements on the select windows
 REFINE_LR = 3e-2  # relative learning rate to start from (with BACKOFF; bench/README.md, issue 16)
 REFINE_BATCH = 8  # training windows per step
 QUERY_SHARE = 8  # a step's error is taken at 1/QUERY_SHARE of each window's positions: 150 steps of 8 windows so
-# measured as well on the select windows as 75 of 4 at every position, in less time (bench/README.md, issue 16)
+# measured better on the select windows than 75 of 4 at every position, in less work where the query side is most
+# of it, i.e. in wide layers (bench/README.md, issue 16)
 BACKOFF = 3.0  # a check that does not beat the best state goes back to it and divides the rate by this
 
 
@@ -65,7 +66,7 @@ class Refinement:
 
 def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_frequencies: torch.Tensor,
            train: tuple[torch.Tensor, torch.Tensor], select: tuple[torch.Tensor, torch.Tensor],
-           steps: int, lr: float = REFINE_LR, check_every: int = CHECK_EVERY, batch: int = 4, seed: int = 0,
+           steps: int, lr: float = REFINE_LR, check_every: int = CHECK_EVERY, batch: int = REFINE_BATCH, seed: int = 0,
            backoff: float | None = BACKOFF, queries: int | None = None, before: float | None = None) -> Refinement:
     """Adam on the trainable factors of ``latent``; (x, source output) pairs as [B, S, H] float32 tensors.
 

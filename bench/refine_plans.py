@@ -38,15 +38,16 @@ def before_seconds(plan: Plan, window: int, selected: int, steps: int, batch: in
     return plan.spec.num_layers * (steps * flops(batch) + checks * flops(selected) / 3) / calibrated.CPU_FLOPS
 
 
-def cpu_plan(seconds, full_steps: int, full_batch: int, full_check: int) -> tuple[float, int | None, float]:
-    """(full plan hours, the steps of one window a CPU runs instead (None: the full plan; 0: none), hours of the
-    fewest such steps), with ``refinement_plan``'s rule: the full plan under 30 min, else as many steps of one
-    window as fit (at least 25), else none."""
-    full = seconds(full_steps, full_batch, full_check)
+def before_plan(plan: Plan, window: int, selected: int) -> tuple[float, int | None, float]:
+    """``calibrated.cpu_refinement``'s rule on the estimate as it was: (full hours, reduced steps, fewest hours)."""
+    def seconds(steps, batch, check_every):
+        return before_seconds(plan, window, selected, steps, batch, check_every)
+
+    full = seconds(BEFORE["steps"], BEFORE["batch"], BEFORE["check_every"])
     least = seconds(calibrated.MIN_REDUCED_STEPS, 1, calibrated.MIN_REDUCED_STEPS)
     if full <= calibrated.AUTO_REFINE_SECONDS:
         return full / 3600, None, least / 3600
-    fits = [n for n in range(calibrated.MIN_REDUCED_STEPS, full_steps * full_batch + 1)
+    fits = [n for n in range(calibrated.MIN_REDUCED_STEPS, BEFORE["steps"] * BEFORE["batch"] + 1)
             if seconds(n, 1, n) <= calibrated.AUTO_REFINE_SECONDS]
     return full / 3600, fits[-1] if fits else 0, least / 3600
 
@@ -66,15 +67,9 @@ def recipe_plans() -> dict[str, tuple[tuple[float, int | None, float], tuple[flo
         selected = len(split_windows(recipe.options["calib_tokens"] // window).select)
         plan = Plan(folder=path, spec=spec, reader=None, shapes=shapes, layer=None)
 
-        def now(steps, batch, check_every):
-            return calibrated.refinement_seconds(plan, window, selected, steps, batch, check_every)
-
-        def before(steps, batch, check_every):
-            return before_seconds(plan, window, selected, steps, batch, check_every)
-
-        plans[path.stem] = (cpu_plan(now, calibrated.DEFAULT_REFINE_STEPS, calibrated.REFINE_BATCH,
-                                     calibrated.CHECK_EVERY),
-                            cpu_plan(before, BEFORE["steps"], BEFORE["batch"], BEFORE["check_every"]))
+        now = calibrated.cpu_refinement(plan, window, selected)
+        plans[path.stem] = ((now.full_seconds / 3600, now.reduced_steps, now.least_seconds / 3600),
+                            before_plan(plan, window, selected))
     return plans
 
 

@@ -219,3 +219,26 @@ def test_kv_cache_block_matches_what_convert_reports(stories, tmp_path):
     report = convert(str(stories), tmp_path / "out", ConvertOptions(**options))
     assert report.kv_elements_per_token_per_layer.to_json() == recipe.kv_cache["elements_per_token_per_layer"]
     assert report.kv_bytes_per_token.to_json() == recipe.kv_cache["bytes_per_token"]
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.stem)
+def test_recipe_states_the_cpu_refinement_mlaconv_plans(path):
+    """The recipe's note on what a CPU runs is the plan ``refinement_plan`` makes for it (issue 16)."""
+    import re
+
+    from mlaconv.calibrate import split_windows
+    from mlaconv.calibrated import cpu_refinement
+    from mlaconv.plan import Plan
+
+    recipe = load_recipe(path)
+    spec = spec_for(path.stem)
+    window = recipe.options["calib_window"]
+    plan = Plan(folder=path, spec=spec, reader=None, shapes=check_recipe(recipe, spec), layer=None)
+    cpu = cpu_refinement(plan, window, len(split_windows(recipe.options["calib_tokens"] // window).select))
+    note = " ".join(line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.startswith("#"))
+    assert f"estimates the full refinement at ~{cpu.full_seconds / 3600:.1f} h for this model" in note
+    if cpu.reduced_steps:
+        assert f"it runs {cpu.reduced_steps} steps of one window" in note
+    else:
+        assert cpu.reduced_steps == 0  # none of the shipped recipes fits the full plan on a CPU
+        assert re.search(rf"skips it \(even 25 steps of one window: ~{cpu.least_seconds / 3600:.1f} h\)", note)

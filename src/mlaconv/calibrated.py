@@ -160,28 +160,44 @@ def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreame
     if options.refine_steps is not None:
         return RefinementPlan(options.refine_steps, min(options.refine_batch, train_windows), "set by --refine-steps",
                               check_every=options.refine_check_every, queries=queries)
-    selected = len(streamer.split.select)
+    cpu = cpu_refinement(plan, window, len(streamer.split.select))
+    if options.calibration_device.startswith("cuda") or cpu.reduced_steps is None:
+        return RefinementPlan(DEFAULT_REFINE_STEPS, min(REFINE_BATCH, train_windows), "default", queries=queries)
+    advice = (f"pass --refine-steps {DEFAULT_REFINE_STEPS} to run the full refinement anyway, or calibrate with "
+              "--device cuda")
+    if cpu.reduced_steps:
+        return RefinementPlan(cpu.reduced_steps, 1, (
+            f"reduced: {cpu.reduced_steps} steps of one window, about 30 min on this CPU by estimate (the full "
+            f"{DEFAULT_REFINE_STEPS} steps of {REFINE_BATCH} would take about {cpu.full_seconds / 3600:.1f} h); "
+            f"{advice}"), check_every=cpu.reduced_steps, lr=REDUCED_REFINE_LR, queries=queries)
+    return RefinementPlan(0, REFINE_BATCH, (
+        f"skipped: even {MIN_REDUCED_STEPS} steps of one window would take about {cpu.least_seconds / 3600:.1f} h on "
+        f"this CPU by estimate (the full refinement {cpu.full_seconds / 3600:.1f} h); {advice}"))
 
+
+@dataclass(frozen=True)
+class CPURefinement:
+    """What a CPU can afford of the refinement, by estimate (``refinement_seconds``)."""
+
+    full_seconds: float  # the default plan
+    reduced_steps: int | None  # steps of one window that fit in AUTO_REFINE_SECONDS (None: the full plan fits; 0: not
+    # even MIN_REDUCED_STEPS do)
+    least_seconds: float  # MIN_REDUCED_STEPS steps of one window
+
+
+def cpu_refinement(plan: Plan, window: int, selected: int) -> CPURefinement:
+    """The full plan where it is estimated under 30 minutes, else as many steps of one window as fit (up to as many
+    windows as the full plan's steps see, at least MIN_REDUCED_STEPS), else none."""
     def seconds(steps: int, batch: int, check_every: int) -> float:
         return refinement_seconds(plan, window, selected, steps, batch, check_every)
 
     full = seconds(DEFAULT_REFINE_STEPS, REFINE_BATCH, CHECK_EVERY)
-    if options.calibration_device.startswith("cuda") or full <= AUTO_REFINE_SECONDS:
-        return RefinementPlan(DEFAULT_REFINE_STEPS, min(REFINE_BATCH, train_windows), "default", queries=queries)
-    most = DEFAULT_REFINE_STEPS * REFINE_BATCH  # as many windows as the full plan's steps see
-    fits = [n for n in range(MIN_REDUCED_STEPS, most + 1) if seconds(n, 1, n) <= AUTO_REFINE_SECONDS]
-    advice = (f"pass --refine-steps {DEFAULT_REFINE_STEPS} to run the full refinement anyway, or calibrate with "
-              "--device cuda")
-    if fits:
-        steps = fits[-1]
-        return RefinementPlan(steps, 1, (f"reduced: {steps} steps of one window, about 30 min on this CPU by estimate "
-                                         f"(the full {DEFAULT_REFINE_STEPS} steps of {REFINE_BATCH} would take "
-                                         f"about {full / 3600:.1f} h); {advice}"), check_every=steps,
-                              lr=REDUCED_REFINE_LR, queries=queries)
     least = seconds(MIN_REDUCED_STEPS, 1, MIN_REDUCED_STEPS)
-    return RefinementPlan(0, REFINE_BATCH, (
-        f"skipped: even {MIN_REDUCED_STEPS} steps of one window would take about {least / 3600:.1f} h on this CPU "
-        f"by estimate (the full refinement {full / 3600:.1f} h); {advice}"))
+    if full <= AUTO_REFINE_SECONDS:
+        return CPURefinement(full, None, least)
+    fits = [n for n in range(MIN_REDUCED_STEPS, DEFAULT_REFINE_STEPS * REFINE_BATCH + 1)
+            if seconds(n, 1, n) <= AUTO_REFINE_SECONDS]
+    return CPURefinement(full, fits[-1] if fits else 0, least)
 
 
 def refinement_seconds(plan: Plan, window: int, selected: int, steps: int, batch: int, check_every: int) -> float:

@@ -7,6 +7,7 @@ given, printing the wall time and the relative attention error on the select win
 and on the audit windows (reported only). Never touches eval.txt.
 
     python bench/refine_layer.py llama-docs 0.5 2 "steps=75,batch=4;steps=150,queries=32"   # keywords of mlaconv.mla.refine.refine
+    python bench/refine_layer.py llama-docs 0.5 2 "steps=150,queries=32" 48   # training on the first 48 fit windows
 """
 
 import sys
@@ -30,6 +31,7 @@ MODELS = Path(__file__).resolve().parent / "_work" / "models"
 
 def main() -> None:
     model, keep, layer_i, settings = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    train_windows = int(sys.argv[5]) if len(sys.argv) > 5 else ConvertOptions.refine_windows
     opts = ConvertOptions(kv_keep=keep, calib=[str(MODELS / model / "calib.txt")], calib_tokens=16384, calib_window=256)
     plan = with_rope_stride(plan_conversion(str(MODELS / model), opts))
     tokens = calibrated.calibration_tokens(plan, opts)
@@ -38,7 +40,7 @@ def main() -> None:
     src, stats = layer.attention, layer.stats
     run = calibrated.layer_run(plan.spec, plan.layer, tokens.shape[1])
     latent, _ = factor_attention(src, plan.shape, calibrated.calibrated_layer_options(plan.layer), stats)
-    train, select = streamer.refinement_data(layer_i, src, 16)
+    train, select = streamer.refinement_data(layer_i, src, train_windows)
     audit = streamer._held_pairs(layer_i, src, "audit")
     angles = torch.arange(tokens.shape[1], dtype=torch.float64)[:, None] * run.slot_frequencies[None, :]
 

@@ -286,10 +286,12 @@ class SourceStreamer:
         windows to train on, and the select windows to choose the best step on."""
         self._check_layer(i)
         weights = self._on_device(attention)
+        b, angles = self.options.batch_size, self._angles(attention)
         with torch.no_grad():
             x = self._inputs(list(self.split.fit[:windows]), weights).float()
-            train = (x, source_attention(x, weights, self.heads, self._angles(attention)))
-        return train, self._held_pairs(i, attention, "select")
+            y = torch.cat([source_attention(x[start:start + b], weights, self.heads, angles)
+                           for start in range(0, x.shape[0], b)])  # a batch at a time: the scores stay small
+        return (x, y), self._held_pairs(i, attention, "select")
 
     def _on_device(self, attention: SourceAttention) -> SourceAttention:
         return attention.cast(self.device, torch.float32)

@@ -230,7 +230,7 @@ class CalibratedLayer:
 
 
 def calibrate_layer(source: SourceLayer, plan: Plan, search: bool = True, refinement: RefinementPlan | None = None,
-                    refine_windows: int = 16) -> CalibratedLayer:
+                    refine_windows: int = ConvertOptions.refine_windows) -> CalibratedLayer:
     """Convert layer i each way ``calibrated_candidates`` lists and keep the one with the least attention-output
     error on the select windows; with ``refinement`` steps, refine it on fit windows (best step chosen on the
     select windows) and keep that too if it beats the closed form there. Every reported figure is then

@@ -93,7 +93,8 @@ class ConvertOptions:
                                             "steps of 8 windows on CUDA, or on a CPU where that is estimated under 30 "
                                             "min; else as many steps of 1 window as fit in 30 min, at least 25; 0 = "
                                             "closed form only).", int)
-    refine_windows: int = 16  # fit windows those steps train on (at most)
+    refine_windows: int = 48  # fit windows those steps train on (at most): all of them at the default calibration;
+    # 48 rather than 16 measured better on the audit windows of every bench layer tried (bench/README.md, issue 16)
     refine_batch: int = REFINE_BATCH  # windows per step when refine_steps is given (the default plan chooses its own)
     refine_check_every: int = CHECK_EVERY  # steps between select-window measurements when refine_steps is given
     absorbed: bool = option(False, "Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to "

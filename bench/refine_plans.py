@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,46 +39,37 @@ def before_seconds(plan: Plan, window: int, selected: int, steps: int, batch: in
     return plan.spec.num_layers * (steps * flops(batch) + checks * flops(selected) / 3) / calibrated.CPU_FLOPS
 
 
-def before_plan(plan: Plan, window: int, selected: int) -> tuple[float, int | None, float]:
-    """``calibrated.cpu_refinement``'s rule on the estimate as it was: (full hours, reduced steps, fewest hours)."""
-    def seconds(steps, batch, check_every):
-        return before_seconds(plan, window, selected, steps, batch, check_every)
-
-    full = seconds(BEFORE["steps"], BEFORE["batch"], BEFORE["check_every"])
-    least = seconds(calibrated.MIN_REDUCED_STEPS, 1, calibrated.MIN_REDUCED_STEPS)
-    if full <= calibrated.AUTO_REFINE_SECONDS:
-        return full / 3600, None, least / 3600
-    fits = [n for n in range(calibrated.MIN_REDUCED_STEPS, BEFORE["steps"] * BEFORE["batch"] + 1)
-            if seconds(n, 1, n) <= calibrated.AUTO_REFINE_SECONDS]
-    return full / 3600, fits[-1] if fits else 0, least / 3600
+def before_plan(plan: Plan, window: int, selected: int) -> calibrated.CPURefinement:
+    """``calibrated.affordable``'s rule on the estimate as it was."""
+    return calibrated.affordable(partial(before_seconds, plan, window, selected), **BEFORE)
 
 
-def describe(steps: int | None, least: float) -> str:
-    return "full" if steps is None else f"{steps} steps of 1 window" if steps else f"none (25 steps: {least:.1f} h)"
+def describe(cpu: calibrated.CPURefinement) -> str:
+    if cpu.reduced_steps is None:
+        return "full"
+    if cpu.reduced_steps:
+        return f"{cpu.reduced_steps} steps of 1 window"
+    return f"none (25 steps: {cpu.least_seconds / 3600:.1f} h)"
 
 
-def recipe_plans() -> dict[str, tuple[tuple[float, int | None, float], tuple[float, int | None, float]]]:
-    """Per recipe name: ``cpu_plan`` now and before."""
+def recipe_plans() -> dict[str, tuple[calibrated.CPURefinement, calibrated.CPURefinement]]:
+    """Per recipe name: what a CPU can afford now and before."""
     plans = {}
     for path in sorted((ROOT / "recipes").glob("*.yaml")):
         recipe = load_recipe(path)
         spec = SourceSpec.from_config(json.loads((ROOT / "tests" / "data" / "configs" / f"{path.stem}.json").read_text()))
-        shapes = check_recipe(recipe, spec)
         window = recipe.options["calib_window"]
         selected = len(split_windows(recipe.options["calib_tokens"] // window).select)
-        plan = Plan(folder=path, spec=spec, reader=None, shapes=shapes, layer=None)
-
-        now = calibrated.cpu_refinement(plan, window, selected)
-        plans[path.stem] = ((now.full_seconds / 3600, now.reduced_steps, now.least_seconds / 3600),
-                            before_plan(plan, window, selected))
+        plan = Plan(folder=path, spec=spec, reader=None, shapes=check_recipe(recipe, spec), layer=None)
+        plans[path.stem] = (calibrated.cpu_refinement(plan, window, selected), before_plan(plan, window, selected))
     return plans
 
 
 def main() -> None:
     print(f"{'recipe':<18} | {'full plan now':>13} {'a CPU runs now':<26} | {'full before':>11} {'a CPU ran before':<26}")
-    for name, ((hours, steps, least), (old_hours, old_steps, old_least)) in recipe_plans().items():
-        print(f"{name:<18} | {hours:>11.1f} h {describe(steps, least):<26} | {old_hours:>9.1f} h "
-              f"{describe(old_steps, old_least):<26}")
+    for name, (now, before) in recipe_plans().items():
+        print(f"{name:<18} | {now.full_seconds / 3600:>11.1f} h {describe(now):<26} | "
+              f"{before.full_seconds / 3600:>9.1f} h {describe(before):<26}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ thing only, at the very end: which of two whole models, the closed form or the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -186,17 +188,20 @@ class CPURefinement:
 
 
 def cpu_refinement(plan: Plan, window: int, selected: int) -> CPURefinement:
-    """The full plan where it is estimated under 30 minutes, else as many steps of one window as fit (up to as many
-    windows as the full plan's steps see, at least MIN_REDUCED_STEPS), else none."""
-    def seconds(steps: int, batch: int, check_every: int) -> float:
-        return refinement_seconds(plan, window, selected, steps, batch, check_every)
+    """What a CPU can afford of the default plan for this model and calibration (``affordable``)."""
+    return affordable(partial(refinement_seconds, plan, window, selected), DEFAULT_REFINE_STEPS, REFINE_BATCH,
+                      CHECK_EVERY)
 
-    full = seconds(DEFAULT_REFINE_STEPS, REFINE_BATCH, CHECK_EVERY)
+
+def affordable(seconds: Callable[[int, int, int], float], steps: int, batch: int, check_every: int) -> CPURefinement:
+    """The full plan (``steps`` of ``batch`` windows) where ``seconds(steps, batch, check_every)`` is under 30
+    minutes, else as many steps of one window as fit (up to as many windows as the full plan's steps see, at least
+    MIN_REDUCED_STEPS, one check at the end), else none."""
+    full = seconds(steps, batch, check_every)
     least = seconds(MIN_REDUCED_STEPS, 1, MIN_REDUCED_STEPS)
     if full <= AUTO_REFINE_SECONDS:
         return CPURefinement(full, None, least)
-    fits = [n for n in range(MIN_REDUCED_STEPS, DEFAULT_REFINE_STEPS * REFINE_BATCH + 1)
-            if seconds(n, 1, n) <= AUTO_REFINE_SECONDS]
+    fits = [n for n in range(MIN_REDUCED_STEPS, steps * batch + 1) if seconds(n, 1, n) <= AUTO_REFINE_SECONDS]
     return CPURefinement(full, fits[-1] if fits else 0, least)
 
 

@@ -84,9 +84,10 @@ def render_report(report: ConversionReport, console) -> None:
                   *([""] * (len(table.columns) - 3)))
     console.print(table)
     if calibration:
-        steps = (f" ({calibration.refine_steps} steps of {calibration.refine_batch} windows a layer"
-                 + (f", each error at {calibration.refine_queries} positions a window" if calibration.refine_queries
-                    else "") + ")") if calibration.refine_steps else ""
+        steps = ""
+        if calibration.refine_steps:
+            at = f", each error at {calibration.refine_queries} positions a window" if calibration.refine_queries else ""
+            steps = f" ({calibration.refine_steps} steps of {calibration.refine_batch} windows a layer{at})"
         sets = calibration.window_sets
         line(console, f"calibration: {calibration.windows} windows of {calibration.window} tokens "
                       f"({len(sets.fit)} fit, {len(sets.select)} select, {len(sets.audit)} audit); refinement: "

@@ -82,6 +82,24 @@ def test_a_diagonal_metric_given_as_its_diagonal_gives_the_same_latent(size, see
                - latent.relative_error(target, a.up @ a.down, dense)) <= 1e-12
 
 
+@settings(max_examples=60, deadline=None)
+@given(size=sizes, seed=st.integers(0, 2**31 - 1), diagonal=st.booleans(), singular=st.booleans(),
+       rank_fraction=st.floats(0.0, 1.0))
+def test_the_up_projection_for_diagonal_row_weights_is_the_least_squares_one(size, seed, diagonal, singular,
+                                                                             rank_fraction):
+    """``factor``'s B = Lw⁻¹U_r equals argmin_B ‖(T − BA)Σ½‖ (``least_squares_up``) on what Σ sees."""
+    rows, inputs = size
+    target, metric = random_problem(rows, inputs, seed, diagonal, singular)
+    rank = max(1, round(rank_fraction * min(rows, inputs)))
+    weights = torch.rand(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.5
+    lat = latent.factor(target, weights, metric, rank)
+    fitted = latent.least_squares_up(target, lat.down, metric)
+    scale = (target @ metric).abs().max().item() + 1e-300
+    assert torch.allclose(lat.up @ lat.down @ metric, fitted @ lat.down @ metric, atol=1e-8 * scale, rtol=0)
+    assert abs(latent.relative_error(target, lat.up @ lat.down, metric)
+               - latent.relative_error(target, fitted @ lat.down, metric)) <= 1e-9
+
+
 @pytest.mark.parametrize("scale", [1e-170, 1.0, 1e150])
 def test_tiny_latent_bound_at_extreme_scales(scale):
     """σ_max comes from a Gram of the scaled latent: no underflow to an 'all-zero' latent, no overflow."""

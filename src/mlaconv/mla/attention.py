@@ -17,11 +17,12 @@ and, stacked with V, is factored into one rank-r latent (``latent.factor``); (3)
 re-expressed for that key layout, with the softmax-scale change (d+R)^-½ vs d^-½ folded in;
 (4) biases are folded where that is exact, and everything else is recorded; (5) the stock tensors, with
 the latent's smallness split between kv_a's weights and the attention input (``latent_norm``).
-All math runs in float64; the caller casts the result.
+All math runs in ``LayerOptions.precision`` (float64 unless the caller asks for float32); the caller casts the result.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -107,11 +108,11 @@ class LayerAnalysis:
 
 def analyse_layer(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
                   stats: LayerStats | None = None) -> LayerAnalysis:
-    """RoPE split and the latent's spectrum for one layer (float64 copies of ``src`` are used)."""
+    """RoPE split and the latent's spectrum for one layer (copies of ``src`` in ``options.precision`` are used)."""
     if src.has_qk_norm:
         raise ValueError("a layer with QK-norm is not linear: factor its linear stand-in (mla.qk_norm) instead")
-    src = src.cast(dtype=torch.float64)
-    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)
+    src = src.cast(dtype=options.precision)
+    stats = (stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)).cast(options.precision)
     mix, choice, plain_kept, shared, k_nope = decompose_keys(src.k, src.q, shape, stats, options, src.rotated)
     target, row_weight = latent_target(k_nope, src.v, stats, options, src.q, src.o, shape)
     spec = latent_math.spectrum(latent_math.weigh(row_weight, target), stats.metric)
@@ -145,9 +146,9 @@ class LatentAttention:
 
 def factor_attention(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
                      stats: LayerStats | None = None) -> tuple[LatentAttention, LayerReport]:
-    """Steps 1–4 of the conversion: the compact linear MLA layer and what it kept (float64)."""
-    src = src.cast(dtype=torch.float64)
-    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)
+    """Steps 1–4 of the conversion: the compact linear MLA layer and what it kept (in ``options.precision``)."""
+    src = src.cast(dtype=options.precision)
+    stats = (stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)).cast(options.precision)
     N, G, d, R, r = shape.heads, shape.kv_heads, shape.head_dim, options.rope_dim, options.rank
     group_of_head = torch.arange(N) // shape.group
 
@@ -176,7 +177,7 @@ def factor_attention(src: SourceAttention, shape: AttentionShape, options: Layer
     if src.q_bias is not None and src.q_bias.abs().max() > 0:
         dropped.append("q_proj.bias")  # DeepSeek-V3's q_proj has no bias in any stack
     if src.v_bias is not None or src.o_bias is not None:
-        o_bias = torch.zeros(src.o.shape[0], dtype=torch.float64)
+        o_bias = torch.zeros(src.o.shape[0], dtype=src.o.dtype)
         if src.v_bias is not None:  # Σ softmax = 1, so a value bias adds W_o·b_v to the output
             o_bias += src.o @ src.v_bias.reshape(G, d)[group_of_head].reshape(N * d)
         if src.o_bias is not None:
@@ -222,8 +223,9 @@ def latent_errors(k_nope: torch.Tensor, v: torch.Tensor, up_k: torch.Tensor, up_
     balanced latent in its own metric it equals the spectrum's energy at rank r. What a variant's own weighting
     keeps is ``LayerReport.objective_retained``.
     """
-    down = down.to(torch.float64)
-    blocks = [(k_nope.to(torch.float64), up_k.to(torch.float64) @ down), (v.to(torch.float64), up_v.to(torch.float64) @ down)]
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in (k_nope, v, up_k, up_v, down)))
+    down = down.to(dtype)
+    blocks = [(k_nope.to(dtype), up_k.to(dtype) @ down), (v.to(dtype), up_v.to(dtype) @ down)]
     energies = [metric_math.total_energy(target, metric) for target, _ in blocks]
     errors = [metric_math.total_energy(target - approx, metric) / energy if energy > 0 else 0.0
               for (target, approx), energy in zip(blocks, energies)]
@@ -238,23 +240,24 @@ def assemble(latent: LatentAttention, shape: AttentionShape, options: LayerOptio
     and the proven bound on mean(c'²)/ε."""
     N, G, d, R, r = shape.heads, shape.kv_heads, shape.head_dim, options.rope_dim, options.rank
     group_of_head = torch.arange(N) // shape.group
-    down = latent.down.to(torch.float64)
+    dtype = options.precision
+    down = latent.down.to(dtype)
     typical_rms = math.sqrt(max(metric_math.total_energy(down, metric), 0.0) / r)
-    tiny = tiny_latent(down, gamma.to(torch.float64), typical_rms, delta=options.delta)
+    tiny = tiny_latent(down, gamma.to(dtype), typical_rms, delta=options.delta)
     q_proj = torch.cat([latent.q_nope.reshape(N, d, -1), latent.q_rope.reshape(N, R, -1)], dim=1)
     kv_b = torch.stack([latent.up_k.reshape(G, d, r), latent.up_v.reshape(G, d, r)], dim=1)  # [G, 2, d, r]
     kv_a_bias = None
     if latent.k_rope_bias is not None:
-        kv_a_bias = torch.cat([torch.zeros(r, dtype=torch.float64), latent.k_rope_bias.to(torch.float64)])
+        kv_a_bias = torch.cat([torch.zeros(r, dtype=dtype), latent.k_rope_bias.to(dtype)])
     mla = MLAAttention(
-        q_proj=q_proj.reshape(N * (d + R), -1).to(torch.float64),
-        kv_a_proj=torch.cat([tiny.beta * down, latent.k_rope.to(torch.float64)], dim=0),
-        kv_a_norm=torch.full((r,), tiny.norm_weight, dtype=torch.float64),
-        kv_b_proj=kv_b[group_of_head].reshape(N * 2 * d, r).to(torch.float64) * tiny.up_scale,
-        o_proj=latent.o.to(torch.float64) * options.residual_scale,
-        input_norm=gamma.to(torch.float64),
+        q_proj=q_proj.reshape(N * (d + R), -1).to(dtype),
+        kv_a_proj=torch.cat([tiny.beta * down, latent.k_rope.to(dtype)], dim=0),
+        kv_a_norm=torch.full((r,), tiny.norm_weight, dtype=dtype),
+        kv_b_proj=kv_b[group_of_head].reshape(N * 2 * d, r).to(dtype) * tiny.up_scale,
+        o_proj=latent.o.to(dtype) * options.residual_scale,
+        input_norm=gamma.to(dtype),
         kv_a_bias=kv_a_bias,
-        o_bias=None if latent.o_bias is None else latent.o_bias.to(torch.float64) * options.residual_scale,
+        o_bias=None if latent.o_bias is None else latent.o_bias.to(dtype) * options.residual_scale,
     )
     return scale_input(mla, r, metric), tiny.bound
 
@@ -274,8 +277,8 @@ def scale_input(mla: MLAAttention, rank: int, metric: torch.Tensor) -> MLAAttent
 
 def convert_attention(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
                       stats: LayerStats | None = None) -> tuple[MLAAttention, LayerReport]:
-    """Convert one layer (steps 1–5); all inputs are cast to float64 first."""
-    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)
+    """Convert one layer (steps 1–5); all inputs are cast to ``options.precision`` first."""
+    stats = (stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)).cast(options.precision)
     latent, report = factor_attention(src, shape, options, stats)
     mla, report.latent_bound = assemble(latent, shape, options, src.input_norm, stats.metric)
     return mla, report

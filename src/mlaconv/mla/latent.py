@@ -12,8 +12,11 @@ and the up-projections are the least-squares fit of the *unweighted* target on t
     B = T Σ Aᵀ (A Σ Aᵀ)⁺                [m, r]     (T·x ≈ B·c)
 
 For unit weights this is exactly the truncated SVD; with weights it is still the best B for the
-chosen A. ``energy`` is Σ_{i<r} λ_i / Σ λ_i over the eigenvalues λ of M Σ Mᵀ: the fraction of the
-(weighted) output energy the latent keeps, which equals 1 − ‖(M − U_rU_rᵀM)Σ½‖² / ‖MΣ½‖² exactly.
+chosen A. With U_r the eigenvectors of M Σ Mᵀ, A Σ Aᵀ = Λ_r and T Σ Aᵀ = Lw⁻¹·U_r·Λ_r, so for an
+invertible diagonal Lw (the balanced weights) B = Lw⁻¹·U_r: no product with Σ is formed.
+
+``energy`` is Σ_{i<r} λ_i / Σ λ_i over the eigenvalues λ of M Σ Mᵀ: the fraction of the (weighted) output
+energy the latent keeps, which equals 1 − ‖(M − U_rU_rᵀM)Σ½‖² / ‖MΣ½‖² exactly.
 """
 
 from __future__ import annotations
@@ -83,8 +86,14 @@ def factor(target: torch.Tensor, row_weight: torch.Tensor, metric: torch.Tensor,
     """
     weighted = weigh(row_weight, target)
     spec = spec if spec is not None else spectrum(weighted, metric)
-    down = spec.vectors[:, :rank].T @ weighted  # [r, H]
-    up = least_squares_up(target, down, metric)
+    basis = spec.vectors[:, :rank]  # U_r [m, r]
+    down = basis.T @ weighted  # [r, H]
+    if row_weight.dim() == 1 and bool((row_weight > 0).all()):
+        values = spec.values[:rank]
+        seen = values > values.max().clamp_min(0) * values.shape[0] * torch.finfo(values.dtype).eps  # as (AΣAᵀ)⁺
+        up = basis * seen / row_weight[:, None]
+    else:
+        up = least_squares_up(target, down, metric)
     return Latent(down=down, up=up, energy=spec.energy(rank))
 
 

@@ -72,6 +72,7 @@ class LayerOptions:
     delta: float = DEFAULT_DELTA  # tiny-latent bound on mean(c²)/ε
     biases: bool = True  # False: the output has no bias tensors (a serving target that ignores them); the
     # rope key's bias and W_o·b_v are then dropped here, and a refinement re-fits the layer with them fixed at zero
+    precision: torch.dtype = torch.float64  # what the factorization computes in (``conversion.factor_precision``)
 
 
 @dataclass
@@ -119,3 +120,9 @@ class LayerStats:
     metric: torch.Tensor  # E[x xᵀ] [H, H] float64, or its diagonal [H] (``mla.metric``)
     rotation_mean: torch.Tensor  # μ [N, F] complex128
     mean: torch.Tensor | None = None  # E[x] [H] (calibration only)
+
+    def cast(self, dtype: torch.dtype) -> "LayerStats":
+        """The same statistics in ``dtype`` (μ in its complex counterpart)."""
+        complex_dtype = torch.complex64 if dtype == torch.float32 else torch.complex128
+        return replace(self, metric=self.metric.to(dtype), rotation_mean=self.rotation_mean.to(complex_dtype),
+                       mean=None if self.mean is None else self.mean.to(dtype))

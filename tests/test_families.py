@@ -267,3 +267,15 @@ def test_gqa_partial_rotary_is_exact_when_each_rotated_frequency_is_one_key(tmp_
     report = convert(str(lossy), tmp_path / "out2", ConvertOptions(verify=False, rank=2 * G * d - rot, rope_dim=rot))
     assert max(report.rope_energy_kept) < 0.99
     assert rel_err(logits(tmp_path / "out2", SHORT), logits(lossy, SHORT)) > 1e-3
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_a_float32_factorization_is_exact_to_float32_rounding(name, sources, tmp_path, monkeypatch):
+    """The float32 factorization a 16-bit output gets (``conversion.factor_precision``), forced here on a float32
+    output so that nothing rounds it further: still exact through transformers."""
+    from mlaconv import conversion
+
+    monkeypatch.setattr(conversion, "factor_precision", lambda dtype: torch.float32)
+    convert(str(sources[name]), tmp_path / "out", ConvertOptions(verify=False, **EXACT[name][1]))
+    for tokens in (SHORT, LONG):
+        assert rel_err(logits(tmp_path / "out", tokens), logits(sources[name], tokens)) <= 1e-4

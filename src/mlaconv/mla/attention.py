@@ -84,9 +84,9 @@ def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, opti
     else:  # identity weights (I·x is x exactly, so no product is formed)
         nk, nv = block_norm(k_nope, stats.metric), block_norm(v, stats.metric)
     # A block with (numerically) no energy, e.g. MQA keys that all stay rotated, is not blown up:
-    # it is scaled like the other block.
-    scale = max(nk, nv, 1e-300)
-    nk, nv = (nk if nk > 1e-9 * scale else scale), (nv if nv > 1e-9 * scale else scale)
+    # it is scaled like the other block. "No energy" is relative to the rounding of the precision used.
+    scale, empty = max(nk, nv, 1e-300), max(1e-9, 1e3 * torch.finfo(target.dtype).eps)
+    nk, nv = (nk if nk > empty * scale else scale), (nv if nv > empty * scale else scale)
     if options.latent_weighting == "attention":
         return target, torch.block_diag(key_weight / nk, value_weight / nv)
     return target, torch.cat([k_nope.new_ones(k_nope.shape[0]) / nk, v.new_ones(v.shape[0]) / nv])

@@ -106,13 +106,20 @@ class LayerAnalysis:
     spectrum: latent_math.Spectrum  # of the exact matrix the latent truncates
 
 
+def in_precision(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
+                 stats: LayerStats | None) -> tuple[SourceAttention, LayerStats]:
+    """The layer and its statistics (the data-free ones without calibration) in ``options.precision``."""
+    src = src.cast(dtype=options.precision)
+    stats = stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)
+    return src, stats.cast(options.precision)
+
+
 def analyse_layer(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
                   stats: LayerStats | None = None) -> LayerAnalysis:
     """RoPE split and the latent's spectrum for one layer (copies of ``src`` in ``options.precision`` are used)."""
     if src.has_qk_norm:
         raise ValueError("a layer with QK-norm is not linear: factor its linear stand-in (mla.qk_norm) instead")
-    src = src.cast(dtype=options.precision)
-    stats = (stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)).cast(options.precision)
+    src, stats = in_precision(src, shape, options, stats)
     mix, choice, plain_kept, shared, k_nope = decompose_keys(src.k, src.q, shape, stats, options, src.rotated)
     target, row_weight = latent_target(k_nope, src.v, stats, options, src.q, src.o, shape)
     spec = latent_math.spectrum(latent_math.weigh(row_weight, target), stats.metric)
@@ -147,8 +154,7 @@ class LatentAttention:
 def factor_attention(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
                      stats: LayerStats | None = None) -> tuple[LatentAttention, LayerReport]:
     """Steps 1–4 of the conversion: the compact linear MLA layer and what it kept (in ``options.precision``)."""
-    src = src.cast(dtype=options.precision)
-    stats = (stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)).cast(options.precision)
+    src, stats = in_precision(src, shape, options, stats)
     N, G, d, R, r = shape.heads, shape.kv_heads, shape.head_dim, options.rope_dim, options.rank
     group_of_head = torch.arange(N) // shape.group
 
@@ -278,7 +284,7 @@ def scale_input(mla: MLAAttention, rank: int, metric: torch.Tensor) -> MLAAttent
 def convert_attention(src: SourceAttention, shape: AttentionShape, options: LayerOptions,
                       stats: LayerStats | None = None) -> tuple[MLAAttention, LayerReport]:
     """Convert one layer (steps 1–5); all inputs are cast to ``options.precision`` first."""
-    stats = (stats if stats is not None else weights_only_stats(src.input_norm, shape, options, src.rotated)).cast(options.precision)
+    src, stats = in_precision(src, shape, options, stats)
     latent, report = factor_attention(src, shape, options, stats)
     mla, report.latent_bound = assemble(latent, shape, options, src.input_norm, stats.metric)
     return mla, report

@@ -12,8 +12,8 @@ peak RSS includes its parent's resident memory at the fork):
     floor      bench/io_floor.py (issue 16): the source read with safetensors, the output's shard sizes written
     calibrated the same with --calib 8×256 random token ids --calib-window 256 --refine-steps 0
     refined    the same with --calib 32×256 random token ids --calib-window 256 and the default refinement
-               plan (32 windows: 16 fit, the most the refinement trains on, 8 select, 8 audit; on a CPU the
-               plan for this shape is the reduced one, steps of one window for about 30 min by estimate)
+               plan (32 windows: 16 fit, all of which the refinement trains on, 8 select, 8 audit; on a CPU
+               the plan for this shape is the reduced one, steps of one window for about 30 min by estimate)
 
 and prints the per-stage memory model with what it predicts for this shape and for Llama-3-70B.
 
@@ -262,7 +262,7 @@ def main() -> None:
     parser.add_argument("--calib-windows", type=int, default=8)
     parser.add_argument("--calib-window", type=int, default=256)
     parser.add_argument("--refined-windows", type=int, default=32,
-                        help="calibration windows of the 'refined' run (32: 16 fit windows, the refinement's most)")
+                        help="calibration windows of the 'refined' run (32: 16 fit windows to train on)")
     parser.add_argument("--skip", default="",
                         help="comma list of runs to skip: copytree,cp,convert,floor,calibrated,refined")
     parser.add_argument("--keep", action="store_true", help="keep the copies and outputs")

@@ -30,6 +30,7 @@ from mlaconv.models import load_tokenizer
 from mlaconv.progress import Progress, no_progress
 from mlaconv.mla import qk_norm
 from mlaconv.mla.layer import AttentionShape, LayerStats, MLAAttention, SourceAttention
+from mlaconv.mla.refine import NormalizedWindows
 from mlaconv.mla.rope import pair_frequencies
 from mlaconv.reference import (attention_by_distance, mla_attention, mlp_block, query_key, rms_norm,
                                rope_angles, source_attention)
@@ -287,8 +288,9 @@ class SourceStreamer:
         self._check_layer(i)
         weights = self._on_device(attention)
         b, angles = self.options.batch_size, self._angles(attention)
+        x = NormalizedWindows(self.hidden, torch.tensor(self.split.fit[:windows]), weights.input_norm,
+                              self.spec.rms_norm_eps, self.device)
         with torch.no_grad():
-            x = self._inputs(list(self.split.fit[:windows]), weights).float()
             y = torch.cat([source_attention(x[start:start + b], weights, self.heads, angles)
                            for start in range(0, x.shape[0], b)])  # a batch at a time: the scores stay small
         return (x, y), self._held_pairs(i, attention, "select")

@@ -10,7 +10,8 @@ import torch
 from mlaconv.mla.attention import LatentAttention
 
 from mlaconv.mla.layer import AttentionShape
-from mlaconv.mla.refine import latent_attention, refine, refinement_flops
+from mlaconv.mla.refine import NormalizedWindows, latent_attention, refine, refinement_flops
+from mlaconv.reference import rms_norm
 
 SHAPE = AttentionShape(hidden=32, heads=4, kv_heads=2, head_dim=8)
 R, RANK = 4, 8
@@ -109,3 +110,24 @@ def test_a_closed_form_error_measured_by_the_caller_is_the_bar_to_beat():
     assert unbeatable.after == unbeatable.before == 0.0
     assert all(torch.equal(unbeatable.latent.trainable()[name], t.float().double())  # the start, as the steps held it
                for name, t in start.trainable().items())
+
+
+def test_windows_normalized_on_demand_refine_exactly_as_the_held_inputs():
+    """``NormalizedWindows``: rms_norm(h)·γ of the picked windows, formed when indexed, and a refinement trained on
+    them takes the same steps as one trained on those inputs held whole."""
+    start, slots, train, select = problem()
+    g = torch.Generator().manual_seed(3)
+    hidden = 3 * torch.randn(20, 16, SHAPE.hidden, generator=g)  # a residual stream of 20 windows
+    gamma, eps = torch.rand(SHAPE.hidden, generator=g) + 0.5, 1e-5
+    windows = torch.tensor([3, 17, 5, 0, 11, 8, 19, 2])
+    lazy = NormalizedWindows(hidden, windows, gamma, eps, torch.device("cpu"))
+    held = rms_norm(hidden[windows], gamma, eps)
+    assert lazy.shape == held.shape
+    pick = torch.tensor([6, 1, 4])
+    assert torch.equal(lazy[pick], held[pick]) and torch.equal(lazy[2:5], held[2:5])
+    y = train[1]
+    by_demand = refine(start, SHAPE, R, slots, (lazy, y), select, steps=12, check_every=4)
+    by_tensor = refine(start, SHAPE, R, slots, (held, y), select, steps=12, check_every=4)
+    assert by_demand.after == by_tensor.after < by_demand.before
+    for name, t in by_tensor.latent.trainable().items():
+        assert torch.equal(by_demand.latent.trainable()[name], t)

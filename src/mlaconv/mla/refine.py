@@ -20,6 +20,7 @@ from mlaconv.mla.attention import LatentAttention
 
 from mlaconv.mla.layer import AttentionShape
 from mlaconv.mla.rope import rotate_interleaved
+from mlaconv.reference import rms_norm
 
 CHECK_EVERY = 10  # steps between two measurements on the select windows
 REFINE_LR = 3e-2  # relative learning rate to start from (with BACKOFF; bench/README.md, issue 16)
@@ -56,6 +57,27 @@ def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentA
     return F.linear(out.transpose(1, 2).reshape(B, Q, N * d), fixed.o.to(x.dtype), o_bias)
 
 
+@dataclass(frozen=True)
+class NormalizedWindows:
+    """The attention inputs x = rms_norm(h)·γ [B, S, H] of some windows of a residual stream, formed a batch at a
+    time when indexed (by a slice or an index tensor) instead of held whole: while a layer refines, its training
+    windows' inputs take no memory of their own (48 windows of 2048 at hidden 2048: 0.8 GB)."""
+
+    hidden: torch.Tensor  # [W, S, H] the residual stream of every window
+    windows: torch.Tensor  # [B] which of them
+    weight: torch.Tensor  # γ [H], on ``device``
+    eps: float
+    device: torch.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self.windows), *self.hidden.shape[1:]))
+
+    def __getitem__(self, pick: slice | torch.Tensor) -> torch.Tensor:
+        pick = pick.cpu() if isinstance(pick, torch.Tensor) else pick
+        return rms_norm(self.hidden[self.windows[pick]].to(self.device), self.weight, self.eps)
+
+
 @dataclass
 class Refinement:
     latent: LatentAttention
@@ -65,10 +87,11 @@ class Refinement:
 
 
 def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_frequencies: torch.Tensor,
-           train: tuple[torch.Tensor, torch.Tensor], select: tuple[torch.Tensor, torch.Tensor],
+           train: tuple[torch.Tensor | NormalizedWindows, torch.Tensor], select: tuple[torch.Tensor, torch.Tensor],
            steps: int, lr: float = REFINE_LR, check_every: int = CHECK_EVERY, batch: int = REFINE_BATCH, seed: int = 0,
            backoff: float | None = BACKOFF, queries: int | None = None, before: float | None = None) -> Refinement:
-    """Adam on the trainable factors of ``latent``; (x, source output) pairs as [B, S, H] float32 tensors.
+    """Adam on the trainable factors of ``latent``; (x, source output) pairs as [B, S, H] float32 tensors (the
+    training inputs may be ``NormalizedWindows``).
 
     Each step uses ``batch`` training windows drawn with a fixed seed; each factor's learning rate is
     ``lr`` times its RMS, so steps are relative to the factor's scale. With ``queries``, a step's error is taken at
@@ -84,7 +107,7 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
     """
     x_train, y_train = train
     x_select, y_select = select
-    device, S = x_train.device, x_train.shape[1]
+    device, S = y_train.device, y_train.shape[1]
     angles = torch.arange(S, dtype=torch.float64, device=device)[:, None] * slot_frequencies.to(device)[None, :]
     cos, sin = angles.cos().float(), angles.sin().float()
     fixed = replace(latent, o=latent.o.float().to(device),
@@ -105,7 +128,7 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
     best_params = {name: t.detach().clone() for name, t in params.items()}
     generator = torch.Generator().manual_seed(seed)
     for step in range(1, steps + 1):
-        pick = torch.randperm(x_train.shape[0], generator=generator)[:batch].to(device)
+        pick = torch.randperm(y_train.shape[0], generator=generator)[:batch].to(device)
         optimizer.zero_grad()
         at = None
         if queries is not None and queries < S:

@@ -36,6 +36,17 @@ def rotate_half_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA, scale (q's head dim)^-½. Where v's heads are narrower than q's (MLA: d against d + R) v is
+    zero-padded to q's width and the padding cut from the output: the same attention, but torch's fused kernel
+    only takes equal widths, and on a CPU its fallback holds every score (8 windows of 2048 with 32 heads: 4.3 GB
+    a copy, and several copies; bench/README.md)."""
+    narrow = q.shape[-1] - v.shape[-1]
+    if narrow <= 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, F.pad(v, (0, narrow)), is_causal=True)[..., : v.shape[-1]]
+
+
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
 
@@ -85,7 +96,7 @@ def mla_attention(x: torch.Tensor, w: MLAAttention, heads: AttentionShape, rank:
     q_rope, k_rope = rotate_interleaved(q_rope, cos, sin), rotate_interleaved(k_rope, cos, sin)
     k = torch.cat([k_nope, k_rope.expand(B, N, S, R)], dim=-1)
     q = torch.cat([q_nope, q_rope], dim=-1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # scale (d+R)^-½ as DeepSeek
+    out = causal_attention(q, k, v)  # scale (d+R)^-½ as DeepSeek
     return _linear(out.transpose(1, 2).reshape(B, S, N * d), w.o_proj, w.o_bias)
 
 

@@ -20,7 +20,7 @@ from mlaconv.mla.attention import LatentAttention
 
 from mlaconv.mla.layer import AttentionShape
 from mlaconv.mla.rope import rotate_interleaved
-from mlaconv.reference import rms_norm
+from mlaconv.reference import causal_attention, rms_norm
 
 CHECK_EVERY = 10  # steps between two measurements on the select windows
 REFINE_LR = 3e-2  # relative learning rate to start from (with BACKOFF; bench/README.md, issue 16)
@@ -52,7 +52,10 @@ def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentA
     v = F.linear(latent, p["up_v"]).view(B, S, G, d).transpose(1, 2).repeat_interleave(N // G, dim=1)
     q = torch.cat([q_nope, q_rope], dim=-1)
     k = torch.cat([k_nope, k_rope.expand(B, N, S, R)], dim=-1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # scale (d+R)^-½
+    if mask is None:
+        out = causal_attention(q, k, v)  # scale (d+R)^-½
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     o_bias = None if fixed.o_bias is None else fixed.o_bias.to(x.dtype)
     return F.linear(out.transpose(1, 2).reshape(B, Q, N * d), fixed.o.to(x.dtype), o_bias)
 

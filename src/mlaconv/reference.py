@@ -73,7 +73,7 @@ def source_attention(x: torch.Tensor, w: SourceAttention, heads: AttentionShape,
     v = _linear(x, w.v, w.v_bias).view(B, S, G, d).transpose(1, 2)
     q, k = rotate_half_pairs(q, angles), rotate_half_pairs(k, angles)
     k, v = k.repeat_interleave(N // G, dim=1), v.repeat_interleave(N // G, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # scale d^-½
+    out = causal_attention(q, k, v)  # scale d^-½
     return _linear(out.transpose(1, 2).reshape(B, S, N * d), w.o, w.o_bias)
 
 

@@ -284,13 +284,16 @@ class SourceStreamer:
 
     def refinement_data(self, i: int, attention: SourceAttention, windows: int):
         """(x, source attention output) pairs [B, S, H] for refining layer i: the first ``windows`` fit
-        windows to train on, and the select windows to choose the best step on."""
+        windows to train on (x formed a batch at a time on a CPU, ``NormalizedWindows``), and the select windows to
+        choose the best step on."""
         self._check_layer(i)
         weights = self._on_device(attention)
         b, angles = self.options.batch_size, self._angles(attention)
         x = NormalizedWindows(self.hidden, torch.tensor(self.split.fit[:windows]), weights.input_norm,
                               self.spec.rms_norm_eps, self.device)
         with torch.no_grad():
+            if self.device.type != "cpu":  # formed a batch a step, the inputs would cross to the device every step
+                x = x[:]
             y = torch.cat([source_attention(x[start:start + b], weights, self.heads, angles)
                            for start in range(0, x.shape[0], b)])  # a batch at a time: the scores stay small
         return (x, y), self._held_pairs(i, attention, "select")

@@ -22,7 +22,7 @@ from mlaconv.plan import layer_options, load_source, plan_shapes
 from mlaconv.pipeline import read_attention
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
-from mlaconv.mla.attention import convert_attention
+from mlaconv.mla.attention import analyse_layer, convert_attention
 from mlaconv.mla.layer import AttentionShape, LayerStats
 from mlaconv.plot import require_matplotlib, save_spectra_plot, spectra_figure
 from mlaconv.spectra import SpectraOptions, default_ranks, rank_for_energy, spectra, write_csv
@@ -198,6 +198,28 @@ def test_inspect_reports_what_convert_reports(model, tiny_model, stories, tmp_pa
     # What convert reports about its values is what its written tensors do (measured from the files here).
     measured = [relative_value_error(Path(src), tmp_path / "out", i) for i in range(report.num_layers)]
     assert converted.value_error == pytest.approx(measured, rel=1e-4, abs=1e-7)
+
+
+def test_a_bfloat16_source_is_analysed_in_the_precision_convert_factors_it_in(tiny_model, tmp_path, monkeypatch):
+    """Weights only, a bfloat16 output is factored in float32 (``plan.factor_precision``): by ``convert`` and by
+    ``inspect spectra`` alike, which then agree to float32's rounding."""
+    import mlaconv.mla.attention
+    import mlaconv.spectra
+
+    seen = []
+
+    def recording(src, shape, options, stats=None):
+        seen.append(options.precision)
+        return analyse_layer(src, shape, options, stats)
+
+    monkeypatch.setattr(mlaconv.mla.attention, "analyse_layer", recording)
+    monkeypatch.setattr(mlaconv.spectra, "analyse_layer", recording)
+    src = tiny_model(kv_heads=2, head_dim=16, layers=3, seed=3, dtype=torch.bfloat16)
+    converted = run_convert(src, tmp_path / "out", rank=24, rope_dim=8)
+    report = spectra(str(src), SpectraOptions(ranks=[24], rope_dim=8))
+    assert seen == [torch.float32] * 6
+    energy = [layer.energy_retained[0] for layer in report.layers]
+    assert energy == pytest.approx(converted.energy_retained.per_layer, abs=1e-6, rel=0)
 
 
 def test_kv_keep_recommends_what_convert_picks(tiny_model, tmp_path):

@@ -32,8 +32,8 @@ from mlaconv.mla.layer import LayerReport, MLAAttention, SourceAttention
 from mlaconv.model_card import write_model_card
 from mlaconv.options import ConvertOptions
 from mlaconv.pipeline import SourceLayer, source_layers
-from mlaconv.plan import (Plan, estimate_output_bytes, eval_source, output_config, output_dtype, plan_conversion,
-                          with_rope_stride)
+from mlaconv.plan import (Plan, estimate_output_bytes, eval_source, factor_precision, output_config, output_dtype,
+                          plan_conversion, with_rope_stride)
 from mlaconv.conversion_report import conversion_report
 from mlaconv.progress import Progress, no_progress
 from mlaconv.report import ConversionReport, EvalReport
@@ -108,14 +108,6 @@ class WeightsOnly:
     @property
     def reports(self) -> list[LayerReport]:
         return self._reports
-
-
-def factor_precision(dtype: torch.dtype | None) -> torch.dtype:
-    """What a weights-only layer is factored in: float32 where it is written in a 16-bit format, whose rounding
-    (bfloat16: 2⁻⁹) is far above float32's; float64 otherwise. On a Llama-3.2-1B-shaped layer written in bfloat16
-    the float32 factorization's attention output differs from the float64 one's by 4e-6 (relative), the bfloat16
-    rounding by 2.8e-3, and it takes half the time (``tests/mla/test_precision.py``, ``bench/factor_precision.py``)."""
-    return torch.float32 if dtype is not None and torch.finfo(dtype).bits <= 16 else torch.float64
 
 
 def spare_core() -> bool:

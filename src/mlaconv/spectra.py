@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import csv
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -31,7 +31,7 @@ from mlaconv import __version__
 from mlaconv.calibrated import calibrated_layer_options, calibration_streamer, window_sets
 from mlaconv.options import ConvertOptions, flags, shared
 from mlaconv.pipeline import source_layers
-from mlaconv.plan import Shapes, model_full_rank, plan_conversion, with_rope_stride
+from mlaconv.plan import Shapes, factor_precision, model_full_rank, output_dtype, plan_conversion, with_rope_stride
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import latent as latent_math
 from mlaconv.mla import metric as metric_math
@@ -116,6 +116,7 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
         streamer = calibration_streamer(plan, settings)
         plan = with_rope_stride(plan, progress)
         calibrated = streamer is not None or stats_for_layer is not None
+        weights_only = replace(plan.layer, precision=factor_precision(output_dtype(spec, settings.dtype)))
         layers = []
         for source in source_layers(reader, spec, streamer, progress, "analysing layers"):
             i, audit = source.index, None
@@ -124,7 +125,7 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
             else:
                 src = source.attention
                 stats = stats_for_layer(i, src) if stats_for_layer else None
-            layer_options = calibrated_layer_options(plan.layer) if calibrated else plan.layer
+            layer_options = calibrated_layer_options(plan.layer) if calibrated else weights_only
             analysis = analyse_layer(src, plan.shape, layer_options, stats)
             energy = _audited_energy(analysis, src, stats.metric, audit, ranks) if audit is not None else None
             loss = _unrotation_loss(src, plan.shape, layer_options, analysis, stats)

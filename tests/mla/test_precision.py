@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from mlaconv.conversion import factor_precision
+from mlaconv.plan import factor_precision
 from mlaconv.mla import rope
 from mlaconv.mla.attention import convert_attention
 from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention

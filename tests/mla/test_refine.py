@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from mlaconv.mla.attention import LatentAttention
@@ -56,7 +57,7 @@ def select_error(latent: LatentAttention, slots, data) -> float:
 def test_refinement_returns_its_best_select_state():
     start, slots, train, select = problem()
     result = refine(start, SHAPE, R, slots, train, select, steps=30, check_every=5)
-    assert result.before == select_error(start, slots, select)
+    assert result.before == pytest.approx(select_error(start, slots, select), rel=1e-6)  # summed a chunk at a time
     assert result.after < 0.7 * result.before
     assert abs(result.after - select_error(result.latent, slots, select)) < 1e-4 * result.before
 
@@ -89,7 +90,7 @@ def test_the_error_at_some_positions_is_the_full_layer_there():
 def test_refinement_on_a_share_of_the_positions_still_finds_a_better_state():
     start, slots, train, select = problem()
     result = refine(start, SHAPE, R, slots, train, select, steps=30, check_every=5, queries=4)
-    assert result.before == select_error(start, slots, select)
+    assert result.before == pytest.approx(select_error(start, slots, select), rel=1e-6)  # summed a chunk at a time
     assert result.after < 0.7 * result.before
     assert abs(result.after - select_error(result.latent, slots, select)) < 1e-4 * result.before
 
@@ -131,3 +132,17 @@ def test_windows_normalized_on_demand_refine_exactly_as_the_held_inputs():
     assert by_demand.after == by_tensor.after < by_demand.before
     for name, t in by_tensor.latent.trainable().items():
         assert torch.equal(by_demand.latent.trainable()[name], t)
+
+
+def test_a_step_taken_a_chunk_of_windows_at_a_time_is_the_whole_batch_step(monkeypatch):
+    """Each chunk's share of the error back-propagated on its own adds up to the whole batch's gradient."""
+    import mlaconv.mla.refine as refinement
+
+    start, slots, train, select = problem()
+    assert refinement.CHUNK < 8
+    chunked = refine(start, SHAPE, R, slots, train, select, steps=12, check_every=4, batch=8)
+    monkeypatch.setattr(refinement, "CHUNK", 8)
+    whole = refine(start, SHAPE, R, slots, train, select, steps=12, check_every=4, batch=8)
+    assert chunked.after == pytest.approx(whole.after, rel=1e-5) and chunked.after < chunked.before
+    for name, t in whole.latent.trainable().items():
+        assert torch.allclose(chunked.latent.trainable()[name], t, rtol=1e-4, atol=1e-6)

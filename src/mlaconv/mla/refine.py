@@ -29,6 +29,8 @@ QUERY_SHARE = 8  # a step's error is taken at 1/QUERY_SHARE of each window's pos
 # measured better on the select windows than 75 of 4 at every position, in less work where the query side is most
 # of it, i.e. in wide layers (bench/README.md, issue 16)
 BACKOFF = 3.0  # a check that does not beat the best state goes back to it and divides the rate by this
+CHUNK = 2  # windows run through the layer at once, in steps and checks alike: only a chunk's activations are held
+# (a step's attention scores over 8 windows of 2048 with 32 heads at an eighth of the positions: 0.5 GB a copy)
 
 
 def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentAttention, shape: AttentionShape,
@@ -120,13 +122,27 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
     optimizer = torch.optim.Adam([{"params": [t], "lr": lr * t.detach().pow(2).mean().sqrt().item()}
                                   for t in params.values()])
 
-    def error(x: torch.Tensor, y: torch.Tensor, at: torch.Tensor | None = None) -> torch.Tensor:
-        y = y if at is None else y[:, at]
-        return (latent_attention(x, params, fixed, shape, rope_dim, cos, sin, at) - y).pow(2).sum() / y.pow(2).sum()
+    def error(x: torch.Tensor | NormalizedWindows, y: torch.Tensor, rows: torch.Tensor, at: torch.Tensor | None = None,
+              train: bool = False) -> float:
+        """‖MLA(x) − y‖² / ‖y‖² over the windows ``rows`` (at positions ``at``), ``CHUNK`` windows at a time; with
+        ``train`` each chunk's share is back-propagated as soon as it is formed (the shares' gradients add up to
+        the whole error's), so that only one chunk's activations are held at once."""
+        def target(part: torch.Tensor) -> torch.Tensor:
+            return y[part] if at is None else y[part][:, at]
 
+        total, measured = target(rows).pow(2).sum(), 0.0
+        for part in rows.split(CHUNK):
+            share = (latent_attention(x[part], params, fixed, shape, rope_dim, cos, sin, at) - target(part)).pow(2).sum()
+            share = share / total
+            if train:
+                share.backward()
+            measured += share.item()
+        return measured
+
+    every_select = torch.arange(y_select.shape[0], device=device)
     if before is None:
         with torch.no_grad():
-            before = error(x_select, y_select).item()
+            before = error(x_select, y_select, every_select)
     best = before
     best_params = {name: t.detach().clone() for name, t in params.items()}
     generator = torch.Generator().manual_seed(seed)
@@ -136,11 +152,11 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
         at = None
         if queries is not None and queries < S:
             at = torch.randperm(S, generator=generator)[:queries].sort().values.to(device)
-        error(x_train[pick], y_train[pick], at).backward()
+        error(x_train, y_train, pick, at, train=True)
         optimizer.step()
         if step % check_every == 0 or step == steps:
             with torch.no_grad():
-                measured = error(x_select, y_select).item()
+                measured = error(x_select, y_select, every_select)
             if measured < best:
                 best = measured
                 best_params = {name: t.detach().clone() for name, t in params.items()}

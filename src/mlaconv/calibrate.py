@@ -168,8 +168,9 @@ class SourceStreamer:
         if i != self.next_layer:
             raise RuntimeError(f"calibration is at layer {self.next_layer}, asked for layer {i}")
 
-    def _inputs(self, windows: list[int], weights: SourceAttention) -> torch.Tensor:
-        return rms_norm(self.hidden[windows].to(self.device), weights.input_norm, self.spec.rms_norm_eps)
+    def _normalized(self, windows: Sequence[int], weights: SourceAttention) -> NormalizedWindows:
+        return NormalizedWindows(self.hidden, torch.tensor(list(windows)), weights.input_norm, self.spec.rms_norm_eps,
+                                 self.device)
 
     def stats(self, i: int, attention: SourceAttention) -> LayerStats:
         """Layer i's E[x xᵀ] [H, H] and attention profile μ [N, F], from the fit windows only.
@@ -189,7 +190,7 @@ class SourceStreamer:
         profiled = 0
         with torch.no_grad():
             for windows in self._batches(self.split.fit):
-                x = self._inputs(windows, weights)
+                x = self._normalized(windows, weights)[:]
                 flat = x.flatten(0, 1).double()
                 moment += flat.T @ flat
                 x_sum += flat.sum(0)
@@ -199,7 +200,7 @@ class SourceStreamer:
                     by_distance += attention_by_distance(x, weights, self.heads, self._angles(attention)).double()
                     profiled += len(windows)
             for windows in self._batches(self.split.audit):
-                x = self._inputs(windows, weights)
+                x = self._normalized(windows, weights)[:]
                 audit_moment += x.flatten(0, 1).T.double() @ x.flatten(0, 1).double()
         freqs = self.freqs if attention.rotated else torch.zeros_like(self.freqs)
         phases = torch.exp(-1j * torch.arange(S, dtype=torch.float64)[:, None] * freqs[None, :])  # [S, F]
@@ -277,7 +278,7 @@ class SourceStreamer:
             with torch.no_grad():
                 for start in range(0, len(indices), self.options.batch_size):
                     batch = slice(start, start + self.options.batch_size)
-                    inputs[batch] = self._inputs(list(indices[batch]), weights)
+                    inputs[batch] = self._normalized(indices[batch], weights)[:]
                     outputs[batch] = source_attention(inputs[batch], weights, self.heads, self._angles(attention))
             self._pairs[windows] = cached = (i, inputs, outputs)
         return cached[1], cached[2]
@@ -289,8 +290,7 @@ class SourceStreamer:
         self._check_layer(i)
         weights = self._on_device(attention)
         b, angles = self.options.batch_size, self._angles(attention)
-        x = NormalizedWindows(self.hidden, torch.tensor(self.split.fit[:windows]), weights.input_norm,
-                              self.spec.rms_norm_eps, self.device)
+        x = self._normalized(self.split.fit[:windows], weights)
         with torch.no_grad():
             if self.device.type != "cpu":  # formed a batch a step, the inputs would cross to the device every step
                 x = x[:]

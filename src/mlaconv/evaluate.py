@@ -111,9 +111,14 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
     engines.engine(engine)
     folders = _resolve_models(model, baseline)
     differences: list[str] = []
+    notes: list[str] = []
 
     def load_model(folder: Path):
         loaded = load_causal_lm(folder, torch_dtype, **placement)
+        if engine != "transformers" and loaded.config.model_type == "deepseek_v3":
+            shape_refused = engines.model_view(engine, loaded).shape_refused
+            if shape_refused and shape_refused not in notes:
+                notes.append(shape_refused)
         if engine != "transformers":
             differences.extend(engines.apply(loaded, engine))
         return loaded
@@ -136,7 +141,6 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
     windows = windows[:max_windows]
     _check_vocabulary(windows, folders)
 
-    notes: list[str] = []
     placement = {"device": device, "device_map": device_map}
     if folders.baseline is None:
         scores = score_windows(load_model(folders.model), windows, batch_size, progress=progress)

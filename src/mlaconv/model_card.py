@@ -26,7 +26,7 @@ KERNELS = {
     "cutlass_mla": "CUTLASS MLA (vLLM; Blackwell): needs 512 + 64",
     "flashinfer_mla": "FlashInfer MLA (vLLM, SGLang): needs 512 + 64 and P ∈ {64, 128, 192}",
     "deepseek_r1_prefill_fast_path": "vLLM DeepSeek-R1 prefill fast paths (Blackwell): need P = V = 128",
-    "vllm_head_size_whitelist": "vLLM MLA head-size whitelist: r + R ∈ {320, 576} (older releases: 576 only)",
+    "vllm_head_size_whitelist": "vLLM MLA head-size whitelist: r + R ∈ {320, 512, 576} (vLLM 0.32; older releases: 576 only)",
     "triton_mla": "Triton MLA (vLLM, SGLang; any GPU): generic",
 }
 STACKS = {"transformers": "transformers", "vllm": "vLLM", "sglang": "SGLang"}

@@ -9,6 +9,7 @@ rewrite every non-default ``rope_scaling`` to DeepSeek-YaRN.
 from __future__ import annotations
 
 from mlaconv.arch import SourceSpec
+from mlaconv.engines import VLLM_MLA_HEAD_SIZES
 from mlaconv.report.conversion import Serving
 
 
@@ -22,7 +23,7 @@ def kernel_fit(config: dict) -> dict[str, bool]:
         "cutlass_mla": deepseek_shape,
         "flashinfer_mla": deepseek_shape and P in (64, 128, 192),
         "deepseek_r1_prefill_fast_path": deepseek_shape and P == 128 and V == 128,
-        "vllm_head_size_whitelist": r + R in (320, 576),
+        "vllm_head_size_whitelist": r + R in VLLM_MLA_HEAD_SIZES,
         "triton_mla": True,
     }
 
@@ -60,12 +61,18 @@ def serving_notes(spec: SourceSpec, config: dict, dropped_bias: list[str]) -> Se
         )
     rope_exact = not config.get("rope_scaling") or config["rope_scaling"].get("rope_type") == "yarn"
     fit = kernel_fit(config)
-    if not fit["flashmla"]:
+    width = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    if not fit["vllm_head_size_whitelist"]:
+        warnings.append(
+            f"vLLM runs MLA only with kv_lora_rank + qk_rope_head_dim in {{{', '.join(map(str, VLLM_MLA_HEAD_SIZES))}}}: "
+            f"this output's {width} fails at its first forward there (transformers, llama.cpp and SGLang's triton "
+            "backend run it); choose --rank so that the sum is one of those to serve it with vLLM."
+        )
+    elif not fit["flashmla"]:
         warnings.append(
             f"kv_lora_rank {config['kv_lora_rank']} + qk_rope_head_dim {config['qk_rope_head_dim']} is not the "
-            "512 + 64 shape of FlashMLA / CUTLASS-MLA; vLLM and SGLang fall back to generic (Triton) MLA kernels"
-            + ("" if fit["vllm_head_size_whitelist"] else " and some vLLM versions refuse head sizes other than 576")
-            + "."
+            "512 + 64 shape of FlashMLA / CUTLASS-MLA; vLLM and SGLang use generic MLA kernels (vLLM's CPU build "
+            "decodes 576 only)."
         )
     return Serving(
         transformers={"biases_kept": bool(config.get("attention_bias")), "rope_scaling_exact": True},

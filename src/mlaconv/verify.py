@@ -79,7 +79,7 @@ def verify(source: Path, converted: Path, spec: SourceSpec, windows: int = 4, wi
 def engine_figures(model, tokens: torch.Tensor, reference: torch.Tensor) -> dict:
     """Per engine: ``refused`` (why it would not run the checkpoint as transformers does), or ``same_as``
     transformers with the ``reason``, or its own ``compare_logits`` figures as ``mlaconv.engines`` emulates it,
-    with the ``differences`` that make them differ."""
+    with the ``differences`` that make them differ; ``shape_refused`` where the engine fails on the MLA shape."""
     from mlaconv import engines
 
     reference_view = engines.model_view("transformers", model)
@@ -98,5 +98,7 @@ def engine_figures(model, tokens: torch.Tensor, reference: torch.Tensor) -> dict
         else:
             with engines.emulate(model, engine_view):
                 figures[name] = {**compare_logits(reference, model(tokens).logits), "differences": differences}
+        if engine_view.shape_refused:
+            figures[name]["shape_refused"] = engine_view.shape_refused
         figures[name]["checked"] = engines.ENGINES[name].checked  # the version whose source the record mirrors
     return figures

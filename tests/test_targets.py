@@ -167,3 +167,35 @@ def test_bias_fold_is_exact_when_the_input_has_a_constant_direction():
     values = x @ (folded.up_v @ folded.down).T
     assert torch.allclose(values, x @ src.v.double().T + src.v_bias.double(), atol=1e-8)
     assert torch.allclose(x @ folded.k_rope.T, x @ kept.k_rope.T + kept.k_rope_bias, atol=1e-8)
+
+
+def test_target_vllm_takes_the_largest_shape_vllm_runs_within_the_budget(tiny_model, tmp_path):
+    """--target vllm: r + R snaps down to 320, 512 or 576 (vLLM's MLA head sizes), the calibrated split search
+    compares only splits of that sum, and a budget or --rank that fits none is refused in one line."""
+    from conftest import assert_refused, cli
+    from test_recipes import spec_for
+
+    from mlaconv.engines import VLLM_MLA_HEAD_SIZES
+    from mlaconv.plan import plan_shapes, shape_candidates
+
+    one_b = spec_for("llama-3.2-1b")  # 1024 cache elements per token and layer
+    for kv_keep, width in ((0.5, 512), (0.55, 512), (0.6, 576), (0.35, 320), (1.0, 576)):
+        shapes = plan_shapes(one_b, None, kv_keep, None, VLLM_MLA_HEAD_SIZES)
+        assert (shapes.rank + shapes.rope_dim, shapes.rope_dim) == (width, 64)
+        assert {c.rank + c.rope_dim for c in shape_candidates(one_b, kv_keep, VLLM_MLA_HEAD_SIZES)} == {width}
+    assert plan_shapes(one_b, None, 0.55, None).rank + 64 == 563  # other targets keep the whole budget
+    with pytest.raises(MlaconvError, match=r"use --kv-keep ≥ 0.3125"):
+        plan_shapes(one_b, None, 0.25, None, VLLM_MLA_HEAD_SIZES)
+    with pytest.raises(MlaconvError, match=r"r \+ R = 400 \+ 64 = 464"):
+        plan_shapes(one_b, 400, None, 64, VLLM_MLA_HEAD_SIZES)
+    with pytest.raises(MlaconvError, match="no vLLM shape compresses"):
+        plan_shapes(spec_for("qwen2.5-0.5b"), None, 1.0, None, VLLM_MLA_HEAD_SIZES)  # 256 elements
+
+    src = tiny_model(heads=8, kv_heads=4, head_dim=64, hidden=320, layers=1)  # 512 elements, full rank 320
+    report = convert(str(src), str(tmp_path / "out"), ConvertOptions(kv_keep=0.7, target="vllm"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (256, 64)
+    assert "shape_refused" not in report.verify.engines["vllm"] and "r + R = 320" in report.shape_choice
+    small = tiny_model("small")
+    assert_refused(cli(small, tmp_path / "refused", "--kv-keep", "0.5", "--target", "vllm"), tmp_path / "refused",
+                   match="vLLM runs MLA only with r + R in {320, 512, 576}")

@@ -20,6 +20,7 @@ from mlaconv.calibrate import CalibrationOptions, MLARun, SourceStreamer, Window
 from mlaconv.options import ConvertOptions
 from mlaconv.pipeline import SourceLayer, source_layers
 from mlaconv.plan import Plan, Shapes, rope_strides, shape_candidates
+from mlaconv.targets import target
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
 from mlaconv.mla.attention import assemble, convert_attention, factor_attention, latent_errors
@@ -98,7 +99,7 @@ def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
     attention-output errors; the split with the least total wins. Returns the plan with those shapes and
     the table behind the choice.
     """
-    candidates = [c for c in shape_candidates(plan.spec, options.kv_keep)
+    candidates = [c for c in shape_candidates(plan.spec, options.kv_keep, target(options.target).mla_head_sizes)
                   if options.rope_stride is None or options.rope_stride in rope.strides(plan.spec.rotary_dim, c.rope_dim)]
     if not candidates:
         raise MlaconvError(f"--rope-stride {options.rope_stride} fits none of the rope dims this budget allows")

@@ -109,8 +109,9 @@ class ConvertOptions:
     eval_batch_size: int = 1
     target: str = option(DEFAULT_TARGET, "Serving target: portable (default: the same function on transformers, vLLM, "
                                          "SGLang and llama.cpp: no bias tensors, a rope_scaling they all compute), "
-                                         "transformers (biases and the source's rope_scaling kept), vllm, sglang, "
-                                         "llamacpp.", str, recipe=(str,))
+                                         "transformers (biases and the source's rope_scaling kept), vllm (as portable, "
+                                         "with r + R the largest of 320, 512, 576 within the budget: vLLM runs no "
+                                         "other), sglang, llamacpp.", str, recipe=(str,))
     extra_report: dict = field(default_factory=dict)
 
     @classmethod

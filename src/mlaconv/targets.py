@@ -3,7 +3,8 @@
 ``--target portable`` (the default) is for every engine in ``mlaconv.engines``: no bias tensors (vLLM and
 SGLang drop them, llama.cpp has no place for them) and a rope configuration vLLM, SGLang and transformers
 compute alike. ``transformers`` keeps today's output (biases written, the source's rope_scaling as it is).
-``vllm`` and ``sglang`` are bias-free like portable; ``llamacpp`` is bias-free and keeps linear scaling
+``vllm`` and ``sglang`` are bias-free like portable, and ``vllm`` takes the largest r + R vLLM runs
+(320, 512 or 576) within the --kv-keep budget; ``llamacpp`` is bias-free and keeps linear scaling
 (export gguf refuses other types).
 
 Biases: the NoPE part of a key bias only adds q·b to every score of a query, which softmax drops exactly;
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaconv.engines import BIASES, deepseek_yarn_frequencies
+from mlaconv.engines import BIASES, VLLM_MLA_HEAD_SIZES, deepseek_yarn_frequencies
 from mlaconv.errors import MlaconvError
 from mlaconv.report.conversion import TargetReport
 
@@ -37,12 +38,13 @@ class Target:
     engines: tuple[str, ...]  # the engines the output is meant to compute the same function on
     biases: bool  # write bias tensors (only transformers honours them)
     yarn_for_llama3: bool  # rewrite llama3 scaling into the DeepSeek-YaRN the engines compute
+    mla_head_sizes: tuple[int, ...] = ()  # the r + R the output must have (empty: any)
 
 
 TARGETS = {t.name: t for t in (
     Target("portable", ("transformers", "vllm", "sglang", "llamacpp"), biases=False, yarn_for_llama3=True),
     Target("transformers", ("transformers",), biases=True, yarn_for_llama3=False),
-    Target("vllm", ("vllm",), biases=False, yarn_for_llama3=True),
+    Target("vllm", ("vllm",), biases=False, yarn_for_llama3=True, mla_head_sizes=VLLM_MLA_HEAD_SIZES),
     Target("sglang", ("sglang",), biases=False, yarn_for_llama3=True),
     Target("llamacpp", ("llamacpp",), biases=False, yarn_for_llama3=False),
 )}

@@ -137,11 +137,14 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--rope-kernel", action="store_true", help="let vLLM use its CPU rotary kernel")
+    parser.add_argument("--only", help="run only the checkpoints whose name starts with this")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     windows = torch.randint(0, VOCAB, (args.windows, WINDOW), generator=torch.Generator().manual_seed(1))
     rows = []
     for source_kind, rank, target in CASES:
+        if args.only and not (source_kind if rank is None else f"{source_kind}-{rank}-{target}").startswith(args.only):
+            continue
         source = WORK / source_kind
         if not source.exists():
             build_source(source_kind, source)
@@ -168,7 +171,8 @@ def main() -> None:
                   f"{t['max_abs_dlogprob']:8.2g} " + (f"{e['ppl']:13.4f} {e['max_abs_dlogprob']:8.2g} " if e else " " * 23)
                   + f"{t['greedy_agree'] or '-':>5s} {e['greedy_agree'] or '-' if e else '-':>5s}")
         if row["vllm"] is not None:
-            print(f"{'':34s} {row['kv_cache'] or '':>5} refused at {row['vllm']}")
+            name = "" if "vllm_ppl" in row else row["model"]
+            print(f"{name:34s} {row['kv_cache'] or '':>5} refused at {row['vllm']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rope_kernel": args.rope_kernel, "rows": rows}, indent=1))

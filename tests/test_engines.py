@@ -246,3 +246,6 @@ def test_verify_and_eval_carry_vllms_shape_refusal(tiny_model, tmp_path):
                                       str(write_tokens(tmp_path / "ids.jsonl")), "--engine", "vllm", "--json", "--quiet"])
     assert result.exit_code == 0, result.output
     assert any("runs MLA only with" in note for note in json.loads(result.stdout)["notes"])
+    printed = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "printed"), "--rank", "16", "--rope-dim", "8"])
+    assert printed.exit_code == 0, printed.output
+    assert "  vllm: will not run it: vllm runs MLA only with" in printed.output

@@ -127,6 +127,8 @@ def _render_checks(report: ConversionReport, console) -> None:
                 line(console, f"  {name}: refuses it ({escape(figures['refused'])})")
             elif "same_as" in figures:
                 line(console, f"  {name}: same as {figures['same_as']}")
+            if "shape_refused" in figures:
+                line(console, f"  {name}: [yellow]will not run it[/]: {escape(figures['shape_refused'])}")
     elif check:
         line(console, f"check skipped: {escape(check.skipped)}")
     result = report.eval

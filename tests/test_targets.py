@@ -169,33 +169,52 @@ def test_bias_fold_is_exact_when_the_input_has_a_constant_direction():
     assert torch.allclose(x @ folded.k_rope.T, x @ kept.k_rope.T + kept.k_rope_bias, atol=1e-8)
 
 
-def test_target_vllm_takes_the_largest_shape_vllm_runs_within_the_budget(tiny_model, tmp_path):
-    """--target vllm: r + R snaps down to 320, 512 or 576 (vLLM's MLA head sizes), the calibrated split search
-    compares only splits of that sum, and a budget or --rank that fits none is refused in one line."""
+def test_served_shapes_vllm_requires_them_portable_prefers_them(tiny_model, tmp_path):
+    """vLLM runs MLA only at r + R ∈ {320, 512, 576}: --target vllm takes the largest of them within the --kv-keep
+    budget whose latent fits the model, and refuses in one line a budget or --rank that fits none (suggesting a
+    --kv-keep that works); portable takes one where the budget allows and the whole budget otherwise."""
     from conftest import assert_refused, cli
     from test_recipes import spec_for
 
-    from mlaconv.engines import VLLM_MLA_HEAD_SIZES
+    from mlaconv.arch import SourceSpec
     from mlaconv.plan import plan_shapes, shape_candidates
+    from mlaconv.targets import target
 
-    one_b = spec_for("llama-3.2-1b")  # 1024 cache elements per token and layer
+    vllm, portable = target("vllm"), target("portable")
+    one_b = spec_for("llama-3.2-1b")  # 1024 cache elements per token and layer, hidden 2048
     for kv_keep, width in ((0.5, 512), (0.55, 512), (0.6, 576), (0.35, 320), (1.0, 576)):
-        shapes = plan_shapes(one_b, None, kv_keep, None, VLLM_MLA_HEAD_SIZES)
-        assert (shapes.rank + shapes.rope_dim, shapes.rope_dim) == (width, 64)
-        assert {c.rank + c.rope_dim for c in shape_candidates(one_b, kv_keep, VLLM_MLA_HEAD_SIZES)} == {width}
-    assert plan_shapes(one_b, None, 0.55, None).rank + 64 == 563  # other targets keep the whole budget
-    with pytest.raises(MlaconvError, match=r"use --kv-keep ≥ 0.3125"):
-        plan_shapes(one_b, None, 0.25, None, VLLM_MLA_HEAD_SIZES)
+        for chosen in (vllm, portable):
+            shapes = plan_shapes(one_b, None, kv_keep, None, chosen)
+            assert (shapes.rank + shapes.rope_dim, shapes.rope_dim) == (width, 64)
+            assert {c.rank + c.rope_dim for c in shape_candidates(one_b, kv_keep, chosen)} == {width}
+    assert "held to 512 of a budget of 563" in plan_shapes(one_b, None, 0.55, None, portable).reason
+    assert plan_shapes(one_b, None, 0.55, None, target("sglang")).rank + 64 == 563  # no vLLM shapes to keep to
+    assert plan_shapes(one_b, None, 0.25, None, portable).rank + 64 == 256  # none fits: the whole budget
+    assert plan_shapes(one_b, None, 0.6, 32, vllm).rank == 544  # --rope-dim given: r fills 576 around it
+    eight_b = spec_for("llama-3.1-8b")  # 2048 elements: 320 is 15.625% of them
+    with pytest.raises(MlaconvError, match=r"use --kv-keep ≥ 0\.1563") as refused:
+        plan_shapes(eight_b, None, 0.1, None, vllm)
+    assert "--target vllm: vllm runs MLA only with r + R in {320, 512, 576}" in str(refused.value)
+    assert plan_shapes(eight_b, None, 0.1563, None, vllm).rank == 256  # the suggestion works
     with pytest.raises(MlaconvError, match=r"r \+ R = 400 \+ 64 = 464"):
-        plan_shapes(one_b, 400, None, 64, VLLM_MLA_HEAD_SIZES)
-    with pytest.raises(MlaconvError, match="no vLLM shape compresses"):
-        plan_shapes(spec_for("qwen2.5-0.5b"), None, 1.0, None, VLLM_MLA_HEAD_SIZES)  # 256 elements
+        plan_shapes(one_b, 400, None, 64, vllm)
+    assert plan_shapes(one_b, 400, None, 64, portable).rank == 400  # a given --rank is the user's choice
+    with pytest.raises(MlaconvError, match="none of them compresses"):
+        plan_shapes(spec_for("qwen2.5-0.5b"), None, 1.0, None, vllm)  # 256 elements
+
+    narrow = tiny_model("narrow", heads=8, kv_heads=8, head_dim=64, hidden=320, layers=1)  # 1024 elements, full rank 320
+    narrow_spec = SourceSpec.from_config(json.loads((narrow / "config.json").read_text()))
+    assert plan_shapes(narrow_spec, None, 1.0, None, vllm).rank == 256  # 576 and 512 need r > 320: 320 it is
 
     src = tiny_model(heads=8, kv_heads=4, head_dim=64, hidden=320, layers=1)  # 512 elements, full rank 320
-    report = convert(str(src), str(tmp_path / "out"), ConvertOptions(kv_keep=0.7, target="vllm"))
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (256, 64)
-    assert "shape_refused" not in report.verify.engines["vllm"] and "r + R = 320" in report.shape_choice
+    write_tokens(tmp_path / "calib.jsonl", rows=8, length=48, seed=8)
+    report = convert(str(src), str(tmp_path / "out"), ConvertOptions(kv_keep=0.7, target="vllm", verify=False,
+                                                                   calib=[str(tmp_path / "calib.jsonl")],
+                                                                   calib_window=48, refine_steps=0))
+    table = report.shape_search.candidates  # the calibrated split search compares only splits of 320
+    assert len(table) >= 2 and {row.kv_lora_rank + row.qk_rope_head_dim for row in table} == {320}
+    assert report.kv_lora_rank + report.qk_rope_head_dim == 320
+    assert "of a budget of 358 elements (held to 320" in report.shape_choice
     small = tiny_model("small")
     assert_refused(cli(small, tmp_path / "refused", "--kv-keep", "0.5", "--target", "vllm"), tmp_path / "refused",
-                   match="vLLM runs MLA only with r + R in {320, 512, 576}")
+                   match="vllm runs MLA only with r + R in {320, 512, 576}")

@@ -19,7 +19,7 @@ import torch
 from mlaconv.calibrate import CalibrationOptions, MLARun, SourceStreamer, WindowSplit, load_calibration_tokens, split_windows
 from mlaconv.options import ConvertOptions
 from mlaconv.pipeline import SourceLayer, source_layers
-from mlaconv.plan import Plan, Shapes, rope_strides, shape_candidates
+from mlaconv.plan import Plan, Shapes, kv_budget, rope_strides, shape_candidates
 from mlaconv.targets import target
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
@@ -99,7 +99,7 @@ def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
     attention-output errors; the split with the least total wins. Returns the plan with those shapes and
     the table behind the choice.
     """
-    candidates = [c for c in shape_candidates(plan.spec, options.kv_keep, target(options.target).mla_head_sizes)
+    candidates = [c for c in shape_candidates(plan.spec, options.kv_keep, target(options.target))
                   if options.rope_stride is None or options.rope_stride in rope.strides(plan.spec.rotary_dim, c.rope_dim)]
     if not candidates:
         raise MlaconvError(f"--rope-stride {options.rope_stride} fits none of the rope dims this budget allows")
@@ -123,8 +123,9 @@ def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
                                                   run.slot_frequencies, run.residual_scale, windows="select")
     best = min(candidates, key=lambda c: errors[c])
     table = [SplitCandidate(c.rank, c.rope_dim, errors[c] / spec.num_layers) for c in candidates]
-    reason = (f"{best.rank} + {best.rope_dim} of a budget of {int(options.kv_keep * spec.kv_elements_per_token_per_layer)}"
-              f" elements: the least mean attention error ({errors[best] / spec.num_layers:.4f}) of "
+    whole, budget = kv_budget(spec, options.kv_keep, None, target(options.target))
+    held = f" (held to {budget}: the largest r + R vLLM runs)" if budget != whole else ""
+    reason = (f"{best.rank} + {best.rope_dim} of a budget of {whole} elements{held}: the least mean attention error ({errors[best] / spec.num_layers:.4f}) of "
               f"{len(candidates)} splits, factored on {len(fit)} fit windows and measured on {len(select)} select windows")
     chosen = Shapes(rank=best.rank, rope_dim=best.rope_dim, reason=reason)
     return replace(plan, shapes=chosen, layer=layers[best]), ShapeSearch(table, reason, {"fit": fit, "select": select})

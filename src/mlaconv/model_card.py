@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from mlaconv.engines import VLLM_MLA_HEAD_SIZES
 from mlaconv.report import ConversionReport, EvalReport
 from mlaconv.report.conversion import Calibration, Verification
 from mlaconv.report.record import Failure
@@ -26,7 +27,8 @@ KERNELS = {
     "cutlass_mla": "CUTLASS MLA (vLLM; Blackwell): needs 512 + 64",
     "flashinfer_mla": "FlashInfer MLA (vLLM, SGLang): needs 512 + 64 and P ∈ {64, 128, 192}",
     "deepseek_r1_prefill_fast_path": "vLLM DeepSeek-R1 prefill fast paths (Blackwell): need P = V = 128",
-    "vllm_head_size_whitelist": "vLLM MLA head-size whitelist: r + R ∈ {320, 512, 576} (vLLM 0.32; older releases: 576 only)",
+    "vllm_head_size_whitelist": f"vLLM's MLA head sizes: r + R ∈ {{{', '.join(map(str, VLLM_MLA_HEAD_SIZES))}}} "
+                                "(vLLM 0.32; older releases: 576 only)",
     "triton_mla": "Triton MLA (vLLM, SGLang; any GPU): generic",
 }
 STACKS = {"transformers": "transformers", "vllm": "vLLM", "sglang": "SGLang"}
@@ -290,7 +292,7 @@ def _usage(report: ConversionReport) -> str:
     vllm = f"vllm serve {path} --dtype bfloat16" + ("" if fast else " --attention-backend TRITON_MLA")
     if not report.serving.kernels["vllm_head_size_whitelist"]:
         vllm = (f"# vLLM does not run this checkpoint: r + R = {report.kv_lora_rank + report.qk_rope_head_dim}, and it "
-                "runs MLA only at 320, 512 or 576")
+                f"runs MLA only at {', '.join(map(str, VLLM_MLA_HEAD_SIZES))}")
     sglang = f"python -m sglang.launch_server --model-path {path} --dtype bfloat16" + (
         "" if fast else " --attention-backend triton")
     source = hub_id(report) or report.source

@@ -108,10 +108,10 @@ class ConvertOptions:
     eval_max_windows: int | None = option(None, "Evaluate at most this many windows.", int)
     eval_batch_size: int = 1
     target: str = option(DEFAULT_TARGET, "Serving target: portable (default: the same function on transformers, vLLM, "
-                                         "SGLang and llama.cpp: no bias tensors, a rope_scaling they all compute), "
-                                         "transformers (biases and the source's rope_scaling kept), vllm (as portable, "
-                                         "with r + R the largest of 320, 512, 576 within the budget: vLLM runs no "
-                                         "other), sglang, llamacpp.", str, recipe=(str,))
+                                         "SGLang and llama.cpp: no bias tensors, a rope_scaling they all compute, and "
+                                         "with --kv-keep an r + R vLLM runs where the budget holds one), transformers "
+                                         "(biases and the source's rope_scaling kept), vllm (as portable, refusing "
+                                         "shapes vLLM does not run), sglang, llamacpp.", str, recipe=(str,))
     extra_report: dict = field(default_factory=dict)
 
     @classmethod

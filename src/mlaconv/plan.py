@@ -24,7 +24,7 @@ from mlaconv.models import DTYPES, check_device
 from mlaconv.options import ConvertOptions, Recipe, load_recipe
 from mlaconv.pipeline import source_layers
 from mlaconv.progress import Progress, no_progress
-from mlaconv.targets import rope_scaling_for, target
+from mlaconv.targets import Target, check_head_size, rope_scaling_for, served_budget, target
 
 DEFAULT_ROPE_DIM = 64
 
@@ -38,34 +38,10 @@ class Shapes:
     reason: str
 
 
-def served_budget(budget: int, head_sizes: tuple[int, ...], kv_keep: float, source_elements: int) -> int:
-    """The largest of ``head_sizes`` (the r + R an engine runs; empty: any) within ``budget`` cache elements."""
-    if not head_sizes:
-        return budget
-    fitting = [size for size in head_sizes if size <= budget]
-    if not fitting:
-        raise MlaconvError(
-            f"--target vllm: vLLM runs MLA only with r + R in {{{', '.join(map(str, head_sizes))}}}, and --kv-keep "
-            f"{kv_keep} leaves {budget} of this model's {source_elements} elements per token and layer"
-            + (f"; use --kv-keep ≥ {min(head_sizes) / source_elements:.4g}" if min(head_sizes) < source_elements else
-               ": no vLLM shape compresses this model's cache")
-            + ", or --target portable (transformers, llama.cpp, SGLang's triton backend)")
-    return max(fitting)
-
-
-def check_head_size(shapes: Shapes, head_sizes: tuple[int, ...], full: int) -> Shapes:
-    if head_sizes and shapes.rank + shapes.rope_dim not in head_sizes:
-        raise MlaconvError(
-            f"--target vllm: r + R = {shapes.rank} + {shapes.rope_dim} = {shapes.rank + shapes.rope_dim}, and vLLM runs "
-            f"MLA only with r + R in {{{', '.join(map(str, head_sizes))}}}"
-            + (f" (the latent rank is capped at the full rank {full} here)" if shapes.rank == full else ""))
-    return shapes
-
-
 def plan_shapes(spec: SourceSpec, rank: int | None, kv_keep: float | None, rope_dim: int | None,
-                head_sizes: tuple[int, ...] = ()) -> Shapes:
-    """Validate --rank / --kv-keep / --rope-dim against the source and pick (r, R); with ``head_sizes`` (the
-    serving target's r + R) the budget is the largest of them that fits, and r + R must be one."""
+                chosen: Target | None = None) -> Shapes:
+    """Validate --rank / --kv-keep / --rope-dim against the source and pick (r, R); for a serving target ``chosen``
+    the --kv-keep budget becomes the largest MLA shape its engines run within it (``targets.served_budget``)."""
     d, rotary = spec.head_dim, spec.rotary_dim
     source_elements = spec.kv_elements_per_token_per_layer
     if rope_dim is not None:
@@ -79,8 +55,8 @@ def plan_shapes(spec: SourceSpec, rank: int | None, kv_keep: float | None, rope_
     if kv_keep is not None:
         if not 0 < kv_keep <= 1:
             raise MlaconvError(f"--kv-keep must be in (0, 1], got {kv_keep}")
-        budget = served_budget(int(math.floor(kv_keep * source_elements + 1e-9)), head_sizes, kv_keep, source_elements)
-        R = rope_dim if rope_dim is not None else min(DEFAULT_ROPE_DIM, rotary, 2 * (budget // 4))
+        whole, budget = kv_budget(spec, kv_keep, rope_dim, chosen)
+        R = _rope_for(spec, rope_dim, budget)
         if R < 2 or budget - R < 1:
             raise MlaconvError(
                 f"--kv-keep {kv_keep} leaves {budget} cache elements per token and layer, too few for "
@@ -91,9 +67,9 @@ def plan_shapes(spec: SourceSpec, rank: int | None, kv_keep: float | None, rope_
                   f"({'given' if rope_dim else 'default, at most half the budget'}), latent rank {r}")
         if r < budget - R:
             reason += f" (capped at the full rank {r}; the cache is smaller than the budget)"
-        if head_sizes:
-            reason += f" (r + R = {budget}: the largest shape vLLM runs within the budget)"
-        return check_head_size(Shapes(rank=r, rope_dim=R, reason=reason), head_sizes, model_full_rank(spec, R))
+        if budget != whole:
+            reason += f" (held to {budget} of a budget of {whole}: the largest r + R vLLM runs)"
+        return Shapes(rank=r, rope_dim=R, reason=reason)
     R = rope_dim if rope_dim is not None else min(DEFAULT_ROPE_DIM, rotary)
     assert rank is not None
     if rank < 1:
@@ -104,7 +80,24 @@ def plan_shapes(spec: SourceSpec, rank: int | None, kv_keep: float | None, rope_
             f"--rank {rank} is larger than the matrix allows: at most {model_full_rank(spec, R)} for this model "
             f"(min of hidden {spec.hidden_size} and 2·{spec.num_kv_heads}·{d}{rope_part})"
         )
-    return check_head_size(Shapes(rank=rank, rope_dim=R, reason="rank given"), head_sizes, model_full_rank(spec, R))
+    if chosen is not None:
+        check_head_size(chosen, rank, R)
+    return Shapes(rank=rank, rope_dim=R, reason="rank given")
+
+
+def _rope_for(spec: SourceSpec, rope_dim: int | None, budget: int) -> int:
+    """R for a --kv-keep budget: the given --rope-dim, else the default R up to the rotary dims and half the budget."""
+    return rope_dim if rope_dim is not None else min(DEFAULT_ROPE_DIM, spec.rotary_dim, 2 * (budget // 4))
+
+
+def kv_budget(spec: SourceSpec, kv_keep: float, rope_dim: int | None, chosen: Target | None) -> tuple[int, int]:
+    """The --kv-keep budget in cache elements per token and layer, and what the serving target makes of it."""
+    source_elements = spec.kv_elements_per_token_per_layer
+    whole = int(math.floor(kv_keep * source_elements + 1e-9))
+    if chosen is None:
+        return whole, whole
+    return whole, served_budget(chosen, whole, lambda size: _rope_for(spec, rope_dim, size),
+                                lambda R: model_full_rank(spec, R), kv_keep, source_elements)
 
 
 def model_full_rank(spec: SourceSpec, rope_dim: int) -> int:
@@ -114,24 +107,24 @@ def model_full_rank(spec: SourceSpec, rope_dim: int) -> int:
     return full_rank(shape, rope_dim if all(spec.rope_layers) else 0)
 
 
-def shape_candidates(spec: SourceSpec, kv_keep: float, head_sizes: tuple[int, ...] = ()) -> list[Shapes]:
+def shape_candidates(spec: SourceSpec, kv_keep: float, chosen: Target | None = None) -> list[Shapes]:
     """The (r, R) splits of a --kv-keep budget that calibration compares.
 
     R ∈ {8, 16, 32, 64, 128} up to head_dim and half the budget; r fills the rest, rounded down to a
-    multiple of 16 (tile-aligned for MLA kernels) once it is 64 or more, and capped at the full rank. With
-    ``head_sizes`` the budget is the largest of them that fits and r fills it exactly (splits whose r would
-    exceed the full rank are left out).
+    multiple of 16 (tile-aligned for MLA kernels) once it is 64 or more, and capped at the full rank. Where the
+    budget is one of the serving target's MLA shapes (``plan_shapes``), r fills it exactly instead, and splits
+    whose r would exceed the full rank are left out.
     """
-    source_elements = spec.kv_elements_per_token_per_layer
-    budget = served_budget(int(math.floor(kv_keep * source_elements + 1e-9)), head_sizes, kv_keep, source_elements)
-    default = plan_shapes(spec, None, kv_keep, None, head_sizes)
+    _, budget = kv_budget(spec, kv_keep, None, chosen)
+    exact = chosen is not None and budget in chosen.mla_head_sizes
+    default = plan_shapes(spec, None, kv_keep, None, chosen)
     candidates = {default.rope_dim: default}
     for R in (8, 16, 32, 64, 128):
         if R <= min(spec.rotary_dim, budget // 2) and R not in candidates:
             r = budget - R
-            if head_sizes and r > model_full_rank(spec, R):
+            if exact and r > model_full_rank(spec, R):
                 continue
-            r = min(r - r % 16 if r >= 64 and not head_sizes else r, model_full_rank(spec, R))
+            r = min(r - r % 16 if r >= 64 and not exact else r, model_full_rank(spec, R))
             candidates[R] = Shapes(rank=r, rope_dim=R, reason="")
     return [candidates[R] for R in sorted(candidates)]
 
@@ -207,7 +200,7 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
         check_recipe(load_recipe(options.recipe), spec)
     if spec.family.qk_norm and not options.calibrated:
         raise MlaconvError(QK_NORM_NEEDS_CALIBRATION.format(label=spec.family.label))
-    shapes = plan_shapes(spec, options.rank, options.kv_keep, options.rope_dim, target(options.target).mla_head_sizes)
+    shapes = plan_shapes(spec, options.rank, options.kv_keep, options.rope_dim, target(options.target))
     searched = options.calibrated and options.kv_keep is not None and options.rope_dim is None  # see calibrated.search_shapes
     if (options.rope_stride is not None and not searched
             and options.rope_stride not in rope.strides(spec.rotary_dim, shapes.rope_dim)):

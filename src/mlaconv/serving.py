@@ -66,7 +66,7 @@ def serving_notes(spec: SourceSpec, config: dict, dropped_bias: list[str]) -> Se
         warnings.append(
             f"vLLM runs MLA only with kv_lora_rank + qk_rope_head_dim in {{{', '.join(map(str, VLLM_MLA_HEAD_SIZES))}}}: "
             f"this output's {width} fails at its first forward there (transformers, llama.cpp and SGLang's triton "
-            "backend run it); choose --rank so that the sum is one of those to serve it with vLLM."
+            "backend run it); --target vllm (or --kv-keep with a budget of at least 320) picks one of them."
         )
     elif not fit["flashmla"]:
         warnings.append(

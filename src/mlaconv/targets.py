@@ -3,8 +3,7 @@
 ``--target portable`` (the default) is for every engine in ``mlaconv.engines``: no bias tensors (vLLM and
 SGLang drop them, llama.cpp has no place for them) and a rope configuration vLLM, SGLang and transformers
 compute alike. ``transformers`` keeps today's output (biases written, the source's rope_scaling as it is).
-``vllm`` and ``sglang`` are bias-free like portable, and ``vllm`` takes the largest r + R vLLM runs
-(320, 512 or 576) within the --kv-keep budget; ``llamacpp`` is bias-free and keeps linear scaling
+``vllm`` and ``sglang`` are bias-free like portable; ``llamacpp`` is bias-free and keeps linear scaling
 (export gguf refuses other types).
 
 Biases: the NoPE part of a key bias only adds q·b to every score of a query, which softmax drops exactly;
@@ -13,6 +12,10 @@ without bias tensors. With calibration data they are read off the input instead 
 w = E[xxᵀ]⁻¹E[x] on the fit windows, exact when the input carries a constant direction: ``mla.attention``),
 and the refinement re-fits each layer with the biases fixed at zero; without it they are dropped and the
 cost is measured by the built-in check (per engine) and stated.
+
+Shapes: vLLM runs MLA only at r + R ∈ ``VLLM_MLA_HEAD_SIZES``. ``portable`` takes the largest of them within the
+--kv-keep budget whose latent fits the model (the whole budget where none does: vLLM then refuses the output, and
+the report says so); ``vllm`` refuses a budget or --rank that fits none.
 
 RoPE: a llama3-scaled source becomes DeepSeek-YaRN in vLLM and SGLang. The output then carries a yarn
 ``rope_scaling`` whose correction range is chosen to follow llama3's kept frequencies as closely as
@@ -23,6 +26,7 @@ vLLM and SGLang compute the same frequencies; the gap to the source's llama3 fre
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,13 +42,16 @@ class Target:
     engines: tuple[str, ...]  # the engines the output is meant to compute the same function on
     biases: bool  # write bias tensors (only transformers honours them)
     yarn_for_llama3: bool  # rewrite llama3 scaling into the DeepSeek-YaRN the engines compute
-    mla_head_sizes: tuple[int, ...] = ()  # the r + R the output must have (empty: any)
+    mla_head_sizes: tuple[int, ...] = ()  # the r + R its engines run (empty: any)
+    head_size_required: bool = False  # refuse a budget or --rank none fits (else: the largest that fits, if any)
 
 
 TARGETS = {t.name: t for t in (
-    Target("portable", ("transformers", "vllm", "sglang", "llamacpp"), biases=False, yarn_for_llama3=True),
+    Target("portable", ("transformers", "vllm", "sglang", "llamacpp"), biases=False, yarn_for_llama3=True,
+           mla_head_sizes=VLLM_MLA_HEAD_SIZES),
     Target("transformers", ("transformers",), biases=True, yarn_for_llama3=False),
-    Target("vllm", ("vllm",), biases=False, yarn_for_llama3=True, mla_head_sizes=VLLM_MLA_HEAD_SIZES),
+    Target("vllm", ("vllm",), biases=False, yarn_for_llama3=True, mla_head_sizes=VLLM_MLA_HEAD_SIZES,
+           head_size_required=True),
     Target("sglang", ("sglang",), biases=False, yarn_for_llama3=True),
     Target("llamacpp", ("llamacpp",), biases=False, yarn_for_llama3=False),
 )}
@@ -55,6 +62,38 @@ def target(name: str) -> Target:
     if name not in TARGETS:
         raise MlaconvError(f"--target {name!r}: choose one of {', '.join(TARGETS)}")
     return TARGETS[name]
+
+
+def served_budget(chosen: Target, budget: int, rope_for: Callable[[int], int], full_rank: Callable[[int], int],
+                  kv_keep: float, source_elements: int) -> int:
+    """The cache elements per token and layer a --kv-keep ``budget`` becomes for ``chosen``: the largest of its MLA
+    head sizes s ≤ budget whose latent s − R fits ``full_rank(R)`` (R = ``rope_for(s)``), else the budget (or, where
+    the target requires one, a one-line refusal)."""
+    def fits(size: int) -> bool:
+        rope_dim = rope_for(size)
+        return size <= budget and 1 <= size - rope_dim <= full_rank(rope_dim)
+
+    fitting = [size for size in chosen.mla_head_sizes if fits(size)]
+    if fitting or not chosen.head_size_required:
+        return max(fitting, default=budget)
+    smallest = min(chosen.mla_head_sizes)
+    if budget >= smallest:
+        hint = f"their latents exceed this model's full rank ({full_rank(rope_for(smallest))} at R = {rope_for(smallest)})"
+    elif smallest < source_elements:
+        hint = f"use --kv-keep ≥ {math.ceil(smallest / source_elements * 1e4) / 1e4:.4f}"
+    else:
+        hint = "none of them compresses this model's cache"
+    raise MlaconvError(f"--target {chosen.name}: {', '.join(chosen.engines)} runs MLA only with r + R in "
+                       f"{{{', '.join(map(str, chosen.mla_head_sizes))}}}, and --kv-keep {kv_keep} leaves {budget} of this "
+                       f"model's {source_elements} elements per token and layer: {hint}; or use --target portable")
+
+
+def check_head_size(chosen: Target, rank: int, rope_dim: int) -> None:
+    """Refuse a --rank whose r + R the target's engines do not run, where the target requires one of its sizes."""
+    if chosen.head_size_required and rank + rope_dim not in chosen.mla_head_sizes:
+        raise MlaconvError(f"--target {chosen.name}: r + R = {rank} + {rope_dim} = {rank + rope_dim}, and "
+                           f"{', '.join(chosen.engines)} runs MLA only with r + R in "
+                           f"{{{', '.join(map(str, chosen.mla_head_sizes))}}}")
 
 
 def llama3_as_yarn(rope_scaling: dict, theta: float, rope_dim: int, kept: torch.Tensor) -> tuple[dict, dict]:

@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its errors reach the rows
 WORK = Path(__file__).resolve().parent / "_work" / "vllm"
 VOCAB, WINDOW = 1000, 128
 
@@ -105,7 +107,11 @@ def vllm_run(path: Path, windows: torch.Tensor, decode: int, rope_kernel: bool) 
             result["greedy"] = list(greedy[0].outputs[0].token_ids)
     except Exception as error:  # noqa: BLE001 (vLLM's refusal is a result here)
         step = "decode" if "logprobs" in result else "prefill"
-        result["refused"] = f"{step}: {type(error).__name__} ({vllm_limits()})"
+        causes = []
+        while error is not None and len(causes) < 4:
+            causes.append(f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}")
+            error = error.__cause__ or error.__context__
+        result["refused"] = f"{step}: {' ← '.join(causes)} ({vllm_limits()})"
     del llm
     return result
 

@@ -99,7 +99,8 @@ def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
     attention-output errors; the split with the least total wins. Returns the plan with those shapes and
     the table behind the choice.
     """
-    candidates = [c for c in shape_candidates(plan.spec, options.kv_keep, target(options.target))
+    chosen_target = target(options.target)
+    candidates = [c for c in shape_candidates(plan.spec, options.kv_keep, chosen_target)
                   if options.rope_stride is None or options.rope_stride in rope.strides(plan.spec.rotary_dim, c.rope_dim)]
     if not candidates:
         raise MlaconvError(f"--rope-stride {options.rope_stride} fits none of the rope dims this budget allows")
@@ -123,9 +124,10 @@ def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
                                                   run.slot_frequencies, run.residual_scale, windows="select")
     best = min(candidates, key=lambda c: errors[c])
     table = [SplitCandidate(c.rank, c.rope_dim, errors[c] / spec.num_layers) for c in candidates]
-    whole, budget = kv_budget(spec, options.kv_keep, None, target(options.target))
+    whole, budget = kv_budget(spec, options.kv_keep, None, chosen_target)
     held = f" (held to {budget}: the largest r + R vLLM runs)" if budget != whole else ""
-    reason = (f"{best.rank} + {best.rope_dim} of a budget of {whole} elements{held}: the least mean attention error ({errors[best] / spec.num_layers:.4f}) of "
+    reason = (f"{best.rank} + {best.rope_dim} of a budget of {whole} elements{held}: the least mean attention error "
+              f"({errors[best] / spec.num_layers:.4f}) of "
               f"{len(candidates)} splits, factored on {len(fit)} fit windows and measured on {len(select)} select windows")
     chosen = Shapes(rank=best.rank, rope_dim=best.rope_dim, reason=reason)
     return replace(plan, shapes=chosen, layer=layers[best]), ShapeSearch(table, reason, {"fit": fit, "select": select})

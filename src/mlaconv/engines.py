@@ -25,6 +25,11 @@ TRANSFORMERS_KV_A_EPS = 1e-6  # DeepseekV3RMSNorm(config.kv_lora_rank): the defa
 VLLM_MLA_HEAD_SIZES = (320, 512, 576)
 
 
+def head_sizes_text(sizes: tuple[int, ...]) -> str:
+    """``{320, 512, 576}``: MLA head sizes as the reports and messages write them."""
+    return "{" + ", ".join(map(str, sizes)) + "}"
+
+
 @dataclass(frozen=True)
 class Engine:
     name: str
@@ -159,7 +164,7 @@ def view(name: str, config, biases: dict[str, bool] | None = None) -> EngineView
     width = config.kv_lora_rank + config.qk_rope_head_dim
     if spec.mla_head_sizes and width not in spec.mla_head_sizes:
         result.shape_refused = (f"{name} runs MLA only with kv_lora_rank + qk_rope_head_dim in "
-                                f"{{{', '.join(map(str, spec.mla_head_sizes))}}}; this checkpoint's {width} fails at "
+                                f"{head_sizes_text(spec.mla_head_sizes)}; this checkpoint's {width} fails at "
                                 "its first forward (the figures are of its arithmetic, were the shape accepted)")
     return result
 

@@ -116,7 +116,7 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
     def load_model(folder: Path):
         loaded = load_causal_lm(folder, torch_dtype, **placement)
         if engine != "transformers" and loaded.config.model_type == "deepseek_v3":
-            shape_refused = engines.model_view(engine, loaded).shape_refused
+            shape_refused = engines.view(engine, loaded.config).shape_refused  # the shape alone: no bias scan
             if shape_refused and shape_refused not in notes:
                 notes.append(shape_refused)
         if engine != "transformers":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from mlaconv.engines import VLLM_MLA_HEAD_SIZES
+from mlaconv.engines import VLLM_MLA_HEAD_SIZES, head_sizes_text
 from mlaconv.report import ConversionReport, EvalReport
 from mlaconv.report.conversion import Calibration, Verification
 from mlaconv.report.record import Failure
@@ -27,7 +27,7 @@ KERNELS = {
     "cutlass_mla": "CUTLASS MLA (vLLM; Blackwell): needs 512 + 64",
     "flashinfer_mla": "FlashInfer MLA (vLLM, SGLang): needs 512 + 64 and P ∈ {64, 128, 192}",
     "deepseek_r1_prefill_fast_path": "vLLM DeepSeek-R1 prefill fast paths (Blackwell): need P = V = 128",
-    "vllm_head_size_whitelist": f"vLLM's MLA head sizes: r + R ∈ {{{', '.join(map(str, VLLM_MLA_HEAD_SIZES))}}} "
+    "vllm_head_size_whitelist": f"vLLM's MLA head sizes: r + R ∈ {head_sizes_text(VLLM_MLA_HEAD_SIZES)} "
                                 "(vLLM 0.32; older releases: 576 only)",
     "triton_mla": "Triton MLA (vLLM, SGLang; any GPU): generic",
 }
@@ -289,7 +289,8 @@ def _serving(report: ConversionReport) -> str:
 def _usage(report: ConversionReport) -> str:
     path = report.output
     fast = report.serving.kernels["flashmla"]
-    vllm = f"vllm serve {path} --dtype bfloat16" + ("" if fast else " --attention-backend TRITON_MLA")
+    vllm = f"vllm serve {path} --dtype bfloat16" + ("" if fast else " --attention-backend TRITON_MLA   # older vLLM: "
+                                                    "VLLM_ATTENTION_BACKEND=TRITON_MLA")
     if not report.serving.kernels["vllm_head_size_whitelist"]:
         vllm = (f"# vLLM does not run this checkpoint: r + R = {report.kv_lora_rank + report.qk_rope_head_dim}, and it "
                 f"runs MLA only at {', '.join(map(str, VLLM_MLA_HEAD_SIZES))}")
@@ -316,7 +317,7 @@ def _usage(report: ConversionReport) -> str:
         "may pick float16 for a float32 checkpoint:",
         "",
         "```bash",
-        vllm + ("" if fast or vllm.startswith("#") else "   # older vLLM: VLLM_ATTENTION_BACKEND=TRITON_MLA"),
+        vllm,
         sglang,
         "```",
         "",

@@ -9,7 +9,7 @@ rewrite every non-default ``rope_scaling`` to DeepSeek-YaRN.
 from __future__ import annotations
 
 from mlaconv.arch import SourceSpec
-from mlaconv.engines import VLLM_MLA_HEAD_SIZES
+from mlaconv.engines import VLLM_MLA_HEAD_SIZES, head_sizes_text
 from mlaconv.report.conversion import Serving
 
 
@@ -64,9 +64,10 @@ def serving_notes(spec: SourceSpec, config: dict, dropped_bias: list[str]) -> Se
     width = config["kv_lora_rank"] + config["qk_rope_head_dim"]
     if not fit["vllm_head_size_whitelist"]:
         warnings.append(
-            f"vLLM runs MLA only with kv_lora_rank + qk_rope_head_dim in {{{', '.join(map(str, VLLM_MLA_HEAD_SIZES))}}}: "
+            f"vLLM runs MLA only with kv_lora_rank + qk_rope_head_dim in {head_sizes_text(VLLM_MLA_HEAD_SIZES)}: "
             f"this output's {width} fails at its first forward there (transformers, llama.cpp and SGLang's triton "
-            "backend run it); --target vllm (or --kv-keep with a budget of at least 320) picks one of them."
+            f"backend run it); --target vllm (or --kv-keep with a budget of at least {min(VLLM_MLA_HEAD_SIZES)}) "
+            "picks one of them."
         )
     elif not fit["flashmla"]:
         warnings.append(

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaconv.engines import BIASES, VLLM_MLA_HEAD_SIZES, deepseek_yarn_frequencies
+from mlaconv.engines import BIASES, VLLM_MLA_HEAD_SIZES, deepseek_yarn_frequencies, head_sizes_text
 from mlaconv.errors import MlaconvError
 from mlaconv.report.conversion import TargetReport
 
@@ -78,13 +78,14 @@ def served_budget(chosen: Target, budget: int, rope_for: Callable[[int], int], f
         return max(fitting, default=budget)
     smallest = min(chosen.mla_head_sizes)
     if budget >= smallest:
-        hint = f"their latents exceed this model's full rank ({full_rank(rope_for(smallest))} at R = {rope_for(smallest)})"
+        rope_dim = rope_for(smallest)
+        hint = f"their latents exceed this model's full rank ({full_rank(rope_dim)} at R = {rope_dim})"
     elif smallest < source_elements:
         hint = f"use --kv-keep ≥ {math.ceil(smallest / source_elements * 1e4) / 1e4:.4f}"
     else:
         hint = "none of them compresses this model's cache"
     raise MlaconvError(f"--target {chosen.name}: {', '.join(chosen.engines)} runs MLA only with r + R in "
-                       f"{{{', '.join(map(str, chosen.mla_head_sizes))}}}, and --kv-keep {kv_keep} leaves {budget} of this "
+                       f"{head_sizes_text(chosen.mla_head_sizes)}, and --kv-keep {kv_keep} leaves {budget} of this "
                        f"model's {source_elements} elements per token and layer: {hint}; or use --target portable")
 
 
@@ -93,7 +94,7 @@ def check_head_size(chosen: Target, rank: int, rope_dim: int) -> None:
     if chosen.head_size_required and rank + rope_dim not in chosen.mla_head_sizes:
         raise MlaconvError(f"--target {chosen.name}: r + R = {rank} + {rope_dim} = {rank + rope_dim}, and "
                            f"{', '.join(chosen.engines)} runs MLA only with r + R in "
-                           f"{{{', '.join(map(str, chosen.mla_head_sizes))}}}")
+                           f"{head_sizes_text(chosen.mla_head_sizes)}")
 
 
 def llama3_as_yarn(rope_scaling: dict, theta: float, rope_dim: int, kept: torch.Tensor) -> tuple[dict, dict]:

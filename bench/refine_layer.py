@@ -7,7 +7,7 @@ given, printing the wall time and the relative attention error on the select win
 and on the audit windows (reported only). Never touches eval.txt.
 
     python bench/refine_layer.py llama-docs 0.5 2 "steps=75,batch=4;steps=150,queries=32"   # keywords of mlaconv.mla.refine.refine
-    python bench/refine_layer.py llama-docs 0.5 2 "steps=150,queries=32" 48   # training on the first 48 fit windows
+    python bench/refine_layer.py llama-docs 0.5 2 "steps=150,queries=32" 16   # training on the first 16 fit windows
 """
 
 import sys
@@ -31,11 +31,12 @@ MODELS = Path(__file__).resolve().parent / "_work" / "models"
 
 def main() -> None:
     model, keep, layer_i, settings = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    train_windows = int(sys.argv[5]) if len(sys.argv) > 5 else ConvertOptions.refine_windows
     opts = ConvertOptions(kv_keep=keep, calib=[str(MODELS / model / "calib.txt")], calib_tokens=16384, calib_window=256)
     plan = with_rope_stride(plan_conversion(str(MODELS / model), opts))
     tokens = calibrated.calibration_tokens(plan, opts)
     streamer = calibrated.calibration_streamer(plan, opts, tokens)
+    train_windows = int(sys.argv[5]) if len(sys.argv) > 5 else calibrated.training_windows(
+        len(streamer.split.fit), tokens.shape[1], opts.refine_tokens)
     layer = next(layer for layer in source_layers(plan.reader, plan.spec, streamer) if layer.index == layer_i)
     src, stats = layer.attention, layer.stats
     run = calibrated.layer_run(plan.spec, plan.layer, tokens.shape[1])

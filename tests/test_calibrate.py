@@ -285,6 +285,22 @@ def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_s
     assert skipped.steps == 0 and skipped.note.startswith("skipped: even 25 steps")
     assert conversion.refinement_plan(plan, replace(options, refine_steps=7), streamer).steps == 7
     assert conversion.refinement_plan(plan, replace(options, device="cuda:0"), streamer).steps == 150
+    fit = len(streamer.split.fit)
+    assert (full.train_windows, reduced.train_windows) == (fit, fit)  # every fit window: 96-token windows are short
+    capped = conversion.refinement_plan(plan, replace(options, device="cuda:0", refine_tokens=2 * 96 + 95), streamer)
+    assert (capped.train_windows, capped.batch) == (2, 2)  # whole windows within the token budget
+
+
+def test_the_refinement_trains_on_every_fit_window_within_its_token_budget():
+    """Short windows are not capped at a window count: at the bench's 256-token windows the default 65536-token
+    calibration has 240 fit windows, and training on all of them measured better than on 48 (issue 16)."""
+    from mlaconv.calibrated import training_windows
+
+    budget = ConvertOptions().refine_tokens
+    assert training_windows(240, 256, budget) == 240
+    assert training_windows(16, 2048, budget) == 16  # the default calibration at 2048: all 16
+    assert training_windows(112, 2048, budget) == 48  # the memory cap: 48 windows of 2048
+    assert training_windows(3, 10**6, budget) == 1
 
 
 def test_calibration_tokens_from_text_and_bad_input(tiny_model, tmp_path):

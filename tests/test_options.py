@@ -16,7 +16,7 @@ from mlaconv.options import ConvertOptions, flags, load_recipe, recipe_types
 from mlaconv.spectra import SpectraOptions
 
 # Options only the Python API sets (tests, the bench, the library's own callers).
-PYTHON_ONLY = {"delta", "layer_search", "refine_windows", "refine_batch", "refine_check_every", "recipe",
+PYTHON_ONLY = {"delta", "layer_search", "refine_tokens", "refine_batch", "refine_check_every", "recipe",
                "eval_batch_size", "extra_report"}
 
 

@@ -141,6 +141,13 @@ class RefinementPlan:
     check_every: int = CHECK_EVERY  # steps between two measurements on the select windows
     lr: float = REFINE_LR  # relative learning rate (``refine``)
     queries: int | None = None  # positions of each window a step's error is taken at (None: all)
+    train_windows: int = 0  # fit windows the steps draw from (``training_windows``)
+
+
+def training_windows(fit: int, window: int, refine_tokens: int) -> int:
+    """How many of the ``fit`` windows the refinement trains on: as many whole ``window``-token windows as
+    ``refine_tokens`` holds (at least one)."""
+    return max(1, min(fit, refine_tokens // window))
 
 
 def step_queries(window: int) -> int:
@@ -162,20 +169,22 @@ def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreame
         return RefinementPlan(0, REFINE_BATCH, "off (--refine-steps 0)")
     window = streamer.options.tokens.shape[1]
     queries = step_queries(window)
-    train_windows = min(options.refine_windows, len(streamer.split.fit))  # a step draws from these
+    train_windows = training_windows(len(streamer.split.fit), window, options.refine_tokens)  # a step draws from these
     if options.refine_steps is not None:
         return RefinementPlan(options.refine_steps, min(options.refine_batch, train_windows), "set by --refine-steps",
-                              check_every=options.refine_check_every, queries=queries)
+                              check_every=options.refine_check_every, queries=queries, train_windows=train_windows)
     cpu = cpu_refinement(plan, window, len(streamer.split.select))
     if options.calibration_device.startswith("cuda") or cpu.reduced_steps is None:
-        return RefinementPlan(DEFAULT_REFINE_STEPS, min(REFINE_BATCH, train_windows), "default", queries=queries)
+        return RefinementPlan(DEFAULT_REFINE_STEPS, min(REFINE_BATCH, train_windows), "default", queries=queries,
+                              train_windows=train_windows)
     advice = (f"pass --refine-steps {DEFAULT_REFINE_STEPS} to run the full refinement anyway, or calibrate with "
               "--device cuda")
     if cpu.reduced_steps:
         return RefinementPlan(cpu.reduced_steps, 1, (
             f"reduced: {cpu.reduced_steps} steps of one window, about 30 min on this CPU by estimate (the full "
             f"{DEFAULT_REFINE_STEPS} steps of {REFINE_BATCH} would take about {cpu.full_seconds / 3600:.1f} h); "
-            f"{advice}"), check_every=cpu.reduced_steps, lr=REDUCED_REFINE_LR, queries=queries)
+            f"{advice}"), check_every=cpu.reduced_steps, lr=REDUCED_REFINE_LR, queries=queries,
+            train_windows=train_windows)
     return RefinementPlan(0, REFINE_BATCH, (
         f"skipped: even {MIN_REDUCED_STEPS} steps of one window would take about {cpu.least_seconds / 3600:.1f} h on "
         f"this CPU by estimate (the full refinement {cpu.full_seconds / 3600:.1f} h); {advice}"))
@@ -238,8 +247,8 @@ class CalibratedLayer:
     record: LayerRecord
 
 
-def calibrate_layer(source: SourceLayer, plan: Plan, search: bool = True, refinement: RefinementPlan | None = None,
-                    refine_windows: int = ConvertOptions.refine_windows) -> CalibratedLayer:
+def calibrate_layer(source: SourceLayer, plan: Plan, search: bool = True,
+                    refinement: RefinementPlan | None = None) -> CalibratedLayer:
     """Convert layer i each way ``calibrated_candidates`` lists and keep the one with the least attention-output
     error on the select windows; with ``refinement`` steps, refine it on fit windows (best step chosen on the
     select windows) and keep that too if it beats the closed form there. Every reported figure is then
@@ -270,7 +279,7 @@ def calibrate_layer(source: SourceLayer, plan: Plan, search: bool = True, refine
     selection = LayerSelection(measured, label)
     layer_result = CalibratedLayer(closed, None, LayerRecord(audited(latent, closed, report), None, selection))
     if refinement is not None and refinement.steps:
-        train, select = streamer.refinement_data(i, src, refine_windows)
+        train, select = streamer.refinement_data(i, src, refinement.train_windows)
         result = refine(latent, plan.shape, run.rope_dim, run.slot_frequencies, train, select, steps=refinement.steps,
                         batch=refinement.batch, check_every=refinement.check_every, lr=refinement.lr,
                         queries=refinement.queries, before=measured[label])
@@ -305,8 +314,7 @@ class CalibratedSteps:
         self.written, self.reason = CLOSED, ""
 
     def __call__(self, source: SourceLayer) -> dict[str, MLAAttention]:
-        layer = calibrate_layer(source, self.plan, self.options.layer_search, self.refinement,
-                                self.options.refine_windows)
+        layer = calibrate_layer(source, self.plan, self.options.layer_search, self.refinement)
         source.follow, source.run = followed_models(layer, self.streamer.followed), self.run
         self.records.append(layer.record)
         return {CLOSED: layer.closed} if layer.refined is None else {CLOSED: layer.closed, REFINED: layer.refined}
@@ -356,6 +364,7 @@ def calibration_report(streamer: SourceStreamer, refinement: RefinementPlan, lay
     return Calibration(
         windows=windows, window=window, tokens=streamer.token_count, window_sets=window_sets(split),
         refine_steps=refinement.steps, refine_batch=refinement.batch, refine_queries=refinement.queries,
+        refine_windows=refinement.train_windows if refinement.steps else None,
         refinement=refinement.note,
         selection=[layer.selection for layer in layers],
         closed_form=layer_figures([layer.closed for layer in layers]),

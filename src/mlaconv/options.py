@@ -93,8 +93,9 @@ class ConvertOptions:
                                             "steps of 8 windows on CUDA, or on a CPU where that is estimated under 30 "
                                             "min; else as many steps of 1 window as fit in 30 min, at least 25; 0 = "
                                             "closed form only).", int)
-    refine_windows: int = 48  # fit windows those steps train on (at most): all of them at the default calibration;
-    # 48 rather than 16 measured better on the audit windows of every bench layer tried (bench/README.md, issue 16)
+    refine_tokens: int = 48 * 2048  # the fit windows those steps train on hold at most this many tokens: every fit
+    # window of the default calibration and of the recipes' 64 × 2048; the cap bounds the source outputs held for
+    # them (tokens·H·4 bytes). More training windows measured better on the audit windows (bench/README.md, issue 16)
     refine_batch: int = REFINE_BATCH  # windows per step when refine_steps is given (the default plan chooses its own)
     refine_check_every: int = CHECK_EVERY  # steps between select-window measurements when refine_steps is given
     absorbed: bool = option(False, "Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to "

@@ -191,8 +191,9 @@ def test_a_calibrated_summary_in_a_narrow_log_is_whole(tmp_path):
         cells = [cell.strip() for cell in text.strip().strip("│").split("│")]
         assert cells == [str(i), *(f"{column[i]:.4f}" for column in columns), report["layer_variant"][i]]
     calibration = report["calibration"]
-    assert (calibration["refine_steps"], calibration["refine_batch"], calibration["refine_queries"]) == (150, 2, 8)
-    steps = " (150 steps of 2 windows a layer, each error at 8 positions a window)"  # 2 fit windows; 64 / 8
+    assert (calibration["refine_steps"], calibration["refine_batch"], calibration["refine_queries"],
+            calibration["refine_windows"]) == (150, 2, 8, 2)
+    steps = " (150 steps of 2 windows a layer drawn from 2 fit windows, each error at 8 positions a window)"  # 64 / 8
     lines = result.stderr.splitlines()
     assert (f"calibration: 4 windows of 64 tokens (2 fit, 1 select, 1 audit); refinement: "
             f"{calibration['refinement']}{steps}") in lines, result.stderr

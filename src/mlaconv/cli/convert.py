@@ -87,7 +87,8 @@ def render_report(report: ConversionReport, console) -> None:
         steps = ""
         if calibration.refine_steps:
             at = f", each error at {calibration.refine_queries} positions a window" if calibration.refine_queries else ""
-            steps = f" ({calibration.refine_steps} steps of {calibration.refine_batch} windows a layer{at})"
+            drawn = f" drawn from {calibration.refine_windows} fit windows" if calibration.refine_windows else ""
+            steps = f" ({calibration.refine_steps} steps of {calibration.refine_batch} windows a layer{drawn}{at})"
         sets = calibration.window_sets
         line(console, f"calibration: {calibration.windows} windows of {calibration.window} tokens "
                       f"({len(sets.fit)} fit, {len(sets.select)} select, {len(sets.audit)} audit); refinement: "

@@ -131,6 +131,7 @@ class Calibration(Record):
     refined: LayerFigures
     whole_model: WholeModel
     refine_queries: int | None = optional()  # positions of each window a step's error is taken at (None: all)
+    refine_windows: int | None = optional()  # fit windows the steps draw from (when steps run)
 
 
 @dataclass

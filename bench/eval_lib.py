@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from mlaconv.calibrate import load_calibration_tokens
+from mlaconv.calibration_windows import load_calibration_tokens
 from mlaconv.plan import load_source
 from mlaconv.evaluate import evaluate_perplexity
 from mlaconv.io.text import TokenSource

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from mlaconv import calibrated  # noqa: E402
 from mlaconv.arch import SourceSpec  # noqa: E402
-from mlaconv.calibrate import split_windows  # noqa: E402
+from mlaconv.calibration_windows import split_windows  # noqa: E402
 from mlaconv.mla.refine import refinement_flops  # noqa: E402
 from mlaconv.options import load_recipe  # noqa: E402
 from mlaconv.plan import Plan, check_recipe  # noqa: E402

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from mlaconv.arch import SourceSpec
-from mlaconv.calibrate import CalibrationOptions, SourceStreamer, load_calibration_tokens
+from mlaconv.calibrate import CalibrationOptions, SourceStreamer
+from mlaconv.calibration_windows import load_calibration_tokens
 from mlaconv.options import ConvertOptions
 from mlaconv.conversion import convert
 from mlaconv.pipeline import read_attention
@@ -54,6 +55,32 @@ def test_streamed_source_forward_matches_transformers(tiny_model):
     with torch.no_grad():
         theirs = load_causal_lm(src)(tokens).logits.double()
     assert torch.allclose(ours, theirs, rtol=0, atol=1e-4 * theirs.abs().max().item())
+
+
+def test_the_streamed_forward_reuses_the_source_outputs_a_layer_already_computed(tiny_model, monkeypatch):
+    """The refinement's training windows and the held select/audit windows already have the layer's source attention
+    outputs: moving the stream through the layer adds those instead of computing them again, with the same result."""
+    import mlaconv.calibrate as calibrate
+
+    src = tiny_model(family="qwen2", kv_heads=2, head_dim=16, eps=1e-5)
+    spec, reader = open_source(src)
+    tokens = random_tokens(16, 20, spec.vocab_size, seed=4)
+    plain = SourceStreamer(reader, spec, CalibrationOptions(tokens, batch_size=3))
+    reusing = SourceStreamer(reader, spec, CalibrationOptions(tokens, batch_size=3))
+    computed: list[int] = []
+    attention_of = calibrate.source_attention
+    monkeypatch.setattr(calibrate, "source_attention", lambda x, *a: computed.append(x.shape[0]) or attention_of(x, *a))
+    fit = reusing.split.fit
+    for i in range(spec.num_layers):
+        attention = read_attention(reader, spec, i)
+        reusing.refinement_data(i, attention, len(fit) - 1)  # every fit window but the last, and the select windows
+        reusing._held_pairs(i, attention, "audit")
+        computed.clear()
+        reusing.advance(i, attention)
+        assert sum(computed) == 1  # only the one window no earlier step of this layer needed
+        plain.advance(i, attention)
+        assert sum(computed) == 1 + len(tokens)
+        assert torch.allclose(reusing.hidden, plain.hidden, rtol=0, atol=1e-5 * plain.hidden.abs().max().item())
 
 
 def test_energy_retained_equals_measured_calibration_error(tiny_model):

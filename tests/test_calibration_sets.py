@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from mlaconv.arch import SourceSpec
-from mlaconv.calibrate import CalibrationOptions, SourceStreamer, split_windows
+from mlaconv.calibrate import CalibrationOptions, SourceStreamer
+from mlaconv.calibration_windows import split_windows
 from mlaconv.options import ConvertOptions
 from mlaconv.conversion import convert
 from mlaconv.pipeline import read_attention

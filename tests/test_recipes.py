@@ -226,7 +226,7 @@ def test_recipe_states_the_cpu_refinement_mlaconv_plans(path):
     """The recipe's note on what a CPU runs is the plan ``refinement_plan`` makes for it (issue 16)."""
     import re
 
-    from mlaconv.calibrate import split_windows
+    from mlaconv.calibration_windows import split_windows
     from mlaconv.calibrated import cpu_refinement
     from mlaconv.plan import Plan
 

@@ -6,7 +6,7 @@ each layer we accumulate E[x xᵀ] of the attention input x = γ ⊙ ĥ in float
 converter weighs (key/query energies per frequency, K/V output energies) is a quadratic form in
 that matrix, so this is all the data it needs.
 
-The windows are split three ways (``split_windows``; disjoint, recorded in the report by index):
+The windows are split three ways (``calibration_windows.split_windows``; disjoint, recorded in the report by index):
 *fit* windows give E[x xᵀ], the attention profile μ, a QK-norm layer's linear stand-in and the refinement's
 gradient steps; *select* windows make every choice (each layer's variant, the (r, R) split, the refinement's
 best step and whether it is kept); *audit* windows are only measured on: every per-layer figure of the report, and
@@ -16,17 +16,14 @@ the whole-model comparison of the converted models with the source (``followed``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from mlaconv.arch import SourceSpec
-from mlaconv.errors import MlaconvError
+from mlaconv.calibration_windows import WindowSplit, split_windows
 from mlaconv.families import EMBED, FINAL_NORM, LM_HEAD, SourceWeights
-from mlaconv.io.text import load_dataset_text, read_text, read_token_lines
 from mlaconv.io import CheckpointReader
-from mlaconv.models import load_tokenizer
 from mlaconv.progress import Progress, no_progress
 from mlaconv.mla import qk_norm
 from mlaconv.mla.layer import AttentionShape, LayerStats, MLAAttention, SourceAttention
@@ -34,77 +31,6 @@ from mlaconv.mla.refine import NormalizedWindows
 from mlaconv.mla.rope import pair_frequencies
 from mlaconv.reference import (attention_by_distance, mla_attention, mlp_block, query_key, rms_norm,
                                rope_angles, source_attention)
-
-
-def load_calibration_tokens(source: Path, spec: SourceSpec, files: list[str], dataset: str | None,
-                            tokens: int, window: int, seed: int = 0) -> torch.Tensor:
-    """[B, S] calibration windows: text (tokenized once with the source tokenizer) or token-id files.
-
-    Text files and a Hugging Face dataset (``NAME[:CONFIG[:SPLIT]]``, train split by default) are
-    joined with blank lines and tokenized once; ``.jsonl`` files hold ``{"input_ids": [...]}`` lines.
-    Non-overlapping windows of ``window`` tokens are cut, and ``tokens // window`` of them (at least
-    one) are drawn with a fixed seed.
-    """
-    window = min(window, spec.max_position_embeddings)
-    if window < 2:
-        raise MlaconvError(f"--calib-window must be at least 2, got {window}")
-    texts, sequences = [], []
-    for name in files:
-        path = Path(name)
-        if not path.is_file():
-            raise MlaconvError(f"calibration file not found: {name}")
-        if path.suffix == ".jsonl":
-            sequences.extend(read_token_lines(path))
-        else:
-            texts.append(read_text(path))
-    if dataset:
-        texts.append(load_dataset_text(dataset, default_split="train"))
-    if texts:
-        tokenizer = load_tokenizer(source)
-        if tokenizer is None:
-            raise MlaconvError(f"{source} has no tokenizer: give calibration as token ids (--calib FILE.jsonl)")
-        sequences.append(torch.tensor(tokenizer("\n\n".join(texts), verbose=False)["input_ids"], dtype=torch.long))
-    windows = [seq[k : k + window] for seq in sequences for k in range(0, len(seq) - window + 1, window)]
-    if not windows:
-        raise MlaconvError(f"the calibration data is shorter than one window of {window} tokens")
-    count = max(1, min(len(windows), tokens // window))
-    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))[:count].sort().values
-    ids = torch.stack([windows[k] for k in order.tolist()])
-    if ids.max() >= spec.vocab_size:
-        raise MlaconvError(f"calibration token ids fall outside the vocabulary (size {spec.vocab_size})")
-    return ids
-
-
-MIN_WINDOWS = 3  # one to fit, one to select, one to audit
-MAX_HELD_WINDOWS = 8  # select and audit windows each, at most
-SPLIT_SEED = 1
-
-
-@dataclass(frozen=True)
-class WindowSplit:
-    """Indices into the [B, S] calibration windows of the three disjoint sets."""
-
-    fit: tuple[int, ...]  # E[x xᵀ], the attention profile μ, the refinement's gradient steps
-    select: tuple[int, ...]  # variant, (r, R) split, the refinement's best step and its acceptance
-    audit: tuple[int, ...]  # measured only: the report's per-layer figures and the whole-model check
-    note: str | None = None  # why the sets are small, when they are
-
-
-def split_windows(count: int, seed: int = SPLIT_SEED) -> WindowSplit:
-    """Split ``count`` windows at random (fixed seed): select and audit get a quarter each, at least 1 and at
-    most ``MAX_HELD_WINDOWS``; fit gets the rest. Fewer than 3 windows are refused; below 16 the note says that
-    select and audit rest on fewer than 4 windows each."""
-    if count < MIN_WINDOWS:
-        raise MlaconvError(f"calibration gives {count} window(s); at least {MIN_WINDOWS} are needed (to fit, to "
-                           "select and to audit): give more --calib-tokens or a shorter --calib-window")
-    held = min(MAX_HELD_WINDOWS, max(1, count // 4))
-    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
-    note = None
-    if held < 4:
-        note = (f"only {count} calibration windows: {held} select and {held} audit, so the choices and the audited "
-                "figures rest on little data (16 windows or more give 4 each)")
-    return WindowSplit(fit=tuple(sorted(order[2 * held :])), select=tuple(sorted(order[:held])),
-                       audit=tuple(sorted(order[held : 2 * held])), note=note)
 
 
 @dataclass
@@ -149,6 +75,7 @@ class SourceStreamer:
         self.still = torch.zeros_like(self.rotated_angles)  # a layer without RoPE
         self.next_layer = 0
         self._pairs: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}  # set → layer, inputs, source outputs
+        self._trained: tuple[int, Sequence[int], torch.Tensor] | None = None  # layer, windows, source outputs
         self._audit_metric: tuple[int, torch.Tensor] | None = None
         self._norm_moments: tuple[int, qk_norm.NormMoments] | None = None
         self.followed: dict[str, torch.Tensor] = {}  # converted models' residual streams on the audit windows
@@ -296,7 +223,19 @@ class SourceStreamer:
                 x = x[:]
             y = torch.cat([source_attention(x[start:start + b], weights, self.heads, angles)
                            for start in range(0, x.shape[0], b)])  # a batch at a time: the scores stay small
+        self._trained = (i, self.split.fit[:windows], y)  # ``advance`` adds them instead of computing them again
         return (x, y), self._held_pairs(i, attention, "select")
+
+    def _known_outputs(self, i: int) -> dict[int, torch.Tensor]:
+        """Layer i's source attention outputs [S, H] already computed, by window: the held select and audit pairs
+        and the refinement's training windows."""
+        known: dict[int, torch.Tensor] = {}
+        for windows, (layer, _, outputs) in self._pairs.items():
+            if layer == i:
+                known.update(zip({"select": self.split.select, "audit": self.split.audit}[windows], outputs))
+        if self._trained is not None and self._trained[0] == i:
+            known.update(zip(self._trained[1], self._trained[2]))
+        return known
 
     def _on_device(self, attention: SourceAttention) -> SourceAttention:
         return attention.cast(self.device, torch.float32)
@@ -311,7 +250,9 @@ class SourceStreamer:
         starts from the stream of the first one named (at layer 0: from the embeddings).
         """
         self._check_layer(i)
+        known = self._known_outputs(i)
         self._pairs.clear()
+        self._trained = None
         self._audit_metric = self._norm_moments = None
         attention = self._on_device(attention)
         mlp = self.weights.mlp(i, self.device, torch.float32)
@@ -325,11 +266,17 @@ class SourceStreamer:
                 self.followed[name] = start.clone()
         angles = self._slot_angles(run) if converted else None
         with torch.no_grad():
-            for start in range(0, self.hidden.shape[0], self.options.batch_size):
-                batch = slice(start, start + self.options.batch_size)
+            for batch in self._batches(range(self.hidden.shape[0])):
                 h = self.hidden[batch].to(self.device)
-                x = rms_norm(h, attention.input_norm, eps).float()
-                h = h + source_attention(x, attention, self.heads, self._angles(attention))
+                out = torch.empty(h.shape, dtype=torch.float32, device=self.device)
+                missing = [k for k, window in enumerate(batch) if window not in known]
+                if missing:
+                    x = rms_norm(h[missing], attention.input_norm, eps).float()
+                    out[missing] = source_attention(x, attention, self.heads, self._angles(attention))
+                for k, window in enumerate(batch):
+                    if window in known:
+                        out[k] = known[window]
+                h = h + out
                 self.hidden[batch] = (h + mlp_block(h, mlp, eps)).cpu()
             for name, layer in converted.items():
                 stream, mla = self.followed[name], self._mla_on_device(layer)

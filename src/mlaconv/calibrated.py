@@ -1,7 +1,7 @@
 """The calibrated conversion's policy: which variant each layer keeps, the (r, R) split of a --kv-keep budget,
 how much refinement runs, and which of the closed-form and refined models is written.
 
-The calibration windows are split into fit, select and audit sets (``calibrate.split_windows``). The
+The calibration windows are split into fit, select and audit sets (``calibration_windows.split_windows``). The
 factorizations and the refinement's gradient steps see fit windows only; every choice below is made on
 select windows; every figure the report gives is measured on audit windows. The audit windows choose one
 thing only, at the very end: which of two whole models, the closed form or the refined one, is written
@@ -16,7 +16,8 @@ from functools import partial
 
 import torch
 
-from mlaconv.calibrate import CalibrationOptions, MLARun, SourceStreamer, WindowSplit, load_calibration_tokens, split_windows
+from mlaconv.calibrate import CalibrationOptions, MLARun, SourceStreamer
+from mlaconv.calibration_windows import WindowSplit, load_calibration_tokens, split_windows
 from mlaconv.options import ConvertOptions
 from mlaconv.pipeline import SourceLayer, source_layers
 from mlaconv.plan import Plan, Shapes, kv_budget, rope_strides, shape_candidates

@@ -250,13 +250,6 @@ class SourceStreamer:
         starts from the stream of the first one named (at layer 0: from the embeddings).
         """
         self._check_layer(i)
-        known = self._known_outputs(i)
-        self._pairs.clear()
-        self._trained = None
-        self._audit_metric = self._norm_moments = None
-        attention = self._on_device(attention)
-        mlp = self.weights.mlp(i, self.device, torch.float32)
-        eps = self.spec.rms_norm_eps
         converted = converted or {}
         for name in converted:
             if name not in self.followed:
@@ -264,19 +257,25 @@ class SourceStreamer:
                     raise RuntimeError(f"a converted model must be followed from layer 0, not {i}")
                 start = next(iter(self.followed.values())) if self.followed else self.hidden[list(self.split.audit)]
                 self.followed[name] = start.clone()
+        known = self._known_outputs(i)
+        for window, output in known.items():  # added now, so that they are freed before the MLP's weights load
+            self.hidden[window] += output.to(self.hidden.device)
+        added = set(known)
+        del known
+        self._pairs.clear()
+        self._trained = None
+        self._audit_metric = self._norm_moments = None
+        attention = self._on_device(attention)
+        mlp = self.weights.mlp(i, self.device, torch.float32)
+        eps = self.spec.rms_norm_eps
         angles = self._slot_angles(run) if converted else None
         with torch.no_grad():
             for batch in self._batches(range(self.hidden.shape[0])):
                 h = self.hidden[batch].to(self.device)
-                out = torch.empty(h.shape, dtype=torch.float32, device=self.device)
-                missing = [k for k, window in enumerate(batch) if window not in known]
+                missing = [k for k, window in enumerate(batch) if window not in added]
                 if missing:
                     x = rms_norm(h[missing], attention.input_norm, eps).float()
-                    out[missing] = source_attention(x, attention, self.heads, self._angles(attention))
-                for k, window in enumerate(batch):
-                    if window in known:
-                        out[k] = known[window]
-                h = h + out
+                    h[missing] += source_attention(x, attention, self.heads, self._angles(attention))
                 self.hidden[batch] = (h + mlp_block(h, mlp, eps)).cpu()
             for name, layer in converted.items():
                 stream, mla = self.followed[name], self._mla_on_device(layer)

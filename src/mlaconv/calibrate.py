@@ -190,11 +190,14 @@ class SourceStreamer:
     def _slot_angles(self, run: MLARun) -> torch.Tensor:
         return rope_angles(run.slot_frequencies, self.options.tokens.shape[1]).to(self.device)
 
+    def _held_windows(self, windows: str) -> tuple[int, ...]:
+        return {"select": self.split.select, "audit": self.split.audit}[windows]
+
     def _held_pairs(self, i: int, attention: SourceAttention, windows: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The select or audit windows' normalised inputs and layer i's source attention outputs, [P, S, H]
         each, computed once per layer (for the layer the streamer is at, whose weights ``attention`` must be):
         every variant of the layer, and its refinement, are measured against the same outputs."""
-        indices = {"select": self.split.select, "audit": self.split.audit}[windows]
+        indices = self._held_windows(windows)
         cached = self._pairs.get(windows)
         if cached is None or cached[0] != i:
             self._pairs.pop(windows, None)  # drop the previous layer's pairs before computing these
@@ -232,7 +235,7 @@ class SourceStreamer:
         known: dict[int, torch.Tensor] = {}
         for windows, (layer, _, outputs) in self._pairs.items():
             if layer == i:
-                known.update(zip({"select": self.split.select, "audit": self.split.audit}[windows], outputs))
+                known.update(zip(self._held_windows(windows), outputs))
         if self._trained is not None and self._trained[0] == i:
             known.update(zip(self._trained[1], self._trained[2]))
         return known

@@ -293,7 +293,7 @@ def _usage(report: ConversionReport) -> str:
                                                     "VLLM_ATTENTION_BACKEND=TRITON_MLA")
     if not report.serving.kernels["vllm_head_size_whitelist"]:
         vllm = (f"# vLLM does not run this checkpoint: r + R = {report.kv_lora_rank + report.qk_rope_head_dim}, and it "
-                f"runs MLA only at {', '.join(map(str, VLLM_MLA_HEAD_SIZES))}")
+                f"runs MLA only at {head_sizes_text(VLLM_MLA_HEAD_SIZES)}")
     sglang = f"python -m sglang.launch_server --model-path {path} --dtype bfloat16" + (
         "" if fast else " --attention-backend triton")
     source = hub_id(report) or report.source

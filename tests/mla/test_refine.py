@@ -96,10 +96,56 @@ def test_refinement_on_a_share_of_the_positions_still_finds_a_better_state():
 
 
 def test_refinement_work_by_hand():
-    """Per token the latent, rotated key, K and V: 32·(8+4) + 8·2·2·8 = 640; per query q, W_o and the scores over the
-    window: 32·4·12 + 32·4·8 + 16·4·(2·8+4) = 3840; forward and backward ×3, multiply-adds ×2."""
-    assert refinement_flops(SHAPE, R, RANK, windows=2, window=16, queries=4) == 6 * 2 * (16 * 640 + 4 * 3840)
+    """Per token the latent and rotated key: 32·(8+4) = 384; per query q, W_o and the rotary scores: 32·4·12 + 32·4·8
+    + 16·4·4 = 2816. K and V from the latent and the scores and averages at width d: 16·8·2·2·8 + 2·4·q·16·8 per
+    window; in the latent: 2·4·q·16·8 + 2·4·q·8·8, the cheaper at q = 4 (6144 against 8192), never at every position
+    (q = 16: 12288 against 16384, but a step at every position takes torch's fused causal kernel). Forward and
+    backward ×3, multiply-adds ×2."""
+    assert refinement_flops(SHAPE, R, RANK, windows=2, window=16, queries=4) == 6 * 2 * (16 * 384 + 4 * 2816 + 6144)
+    assert refinement_flops(SHAPE, R, RANK, 2, 16) == 6 * 2 * (16 * 384 + 16 * 2816 + 4096 + 16384)
     assert refinement_flops(SHAPE, R, RANK, 2, 16) == refinement_flops(SHAPE, R, RANK, 2, 16, queries=16)
+
+
+@pytest.mark.parametrize("in_latent", [True, False])
+def test_a_step_at_some_positions_attends_in_the_latent_or_per_head_alike(monkeypatch, in_latent):
+    """The attention at a step's positions is formed per KV head (K and V from the latent) or in the latent with
+    up_k and up_v absorbed into the query and output, whichever is less work; both give the full layer's outputs
+    there and the same gradients (the reference: per-head keys and values at every position, torch's causal SDPA)."""
+    import mlaconv.mla.refine as refinement
+
+    start, slots, (x, _), _ = problem()
+    x = x.double()  # in float64, so that the two orders of the same sums agree to far below any real difference
+    angles = torch.arange(x.shape[1], dtype=torch.float64)[:, None] * slots[None, :]
+    cos, sin = angles.cos(), angles.sin()
+    at = torch.tensor([0, 3, 4, 11, 15])
+    latent_work, expanded_work = refinement._latent_work, refinement._expanded_work
+    assert latent_work(SHAPE, RANK, 16, len(at)) < expanded_work(SHAPE, RANK, 16, len(at))  # the latent by default
+    if not in_latent:
+        monkeypatch.setattr(refinement, "_latent_work", lambda *shape: expanded_work(*shape) + 1)
+
+    def outputs_and_gradients(positions):
+        params = {name: t.clone().requires_grad_(True) for name, t in start.trainable().items()}
+        out = latent_attention(x, params, start, SHAPE, R, cos, sin, positions)
+        out = out if positions is not None else out[:, at]
+        out.pow(2).sum().backward()
+        return out.detach(), {name: t.grad for name, t in params.items()}
+
+    some, some_grads = outputs_and_gradients(at)
+    full, full_grads = outputs_and_gradients(None)
+    torch.testing.assert_close(some, full, rtol=1e-12, atol=1e-12)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(some_grads[name], grad, rtol=1e-10, atol=1e-12)
+
+
+def test_the_cheaper_attention_follows_the_shape():
+    """At an eighth of the positions of a 256-token window: an MHA layer with a wide latent (4 KV heads, r = 192)
+    attends in the latent; a Llama-3.2-1B-shaped layer (32 heads, 8 KV heads, r = 448, windows of 2048) per head."""
+    import mlaconv.mla.refine as refinement
+
+    mha = AttentionShape(hidden=256, heads=4, kv_heads=4, head_dim=64)
+    assert refinement._latent_work(mha, 192, 256, 32) < refinement._expanded_work(mha, 192, 256, 32)
+    llama_1b = AttentionShape(hidden=2048, heads=32, kv_heads=8, head_dim=64)
+    assert refinement._latent_work(llama_1b, 448, 2048, 256) > refinement._expanded_work(llama_1b, 448, 2048, 256)
 
 
 def test_a_closed_form_error_measured_by_the_caller_is_the_bar_to_beat():
@@ -139,9 +185,10 @@ def test_a_step_taken_a_chunk_of_windows_at_a_time_is_the_whole_batch_step(monke
     import mlaconv.mla.refine as refinement
 
     start, slots, train, select = problem()
-    assert refinement.CHUNK < 8
+    window = train[0].shape[1]
+    monkeypatch.setattr(refinement, "CHUNK_SCORES", 2 * SHAPE.heads * window * window)  # two windows a chunk
     chunked = refine(start, SHAPE, R, slots, train, select, steps=12, check_every=4, batch=8)
-    monkeypatch.setattr(refinement, "CHUNK", 8)
+    monkeypatch.setattr(refinement, "CHUNK_SCORES", 8 * SHAPE.heads * window * window)
     whole = refine(start, SHAPE, R, slots, train, select, steps=12, check_every=4, batch=8)
     assert chunked.after == pytest.approx(whole.after, rel=1e-5) and chunked.after < chunked.before
     for name, t in whole.latent.trainable().items():

@@ -29,8 +29,9 @@ QUERY_SHARE = 8  # a step's error is taken at 1/QUERY_SHARE of each window's pos
 # measured better on the select windows than 75 of 4 at every position, in less work where the query side is most
 # of it, i.e. in wide layers (bench/README.md, issue 16)
 BACKOFF = 3.0  # a check that does not beat the best state goes back to it and divides the rate by this
-CHUNK = 2  # windows run through the layer at once, in steps and checks alike: only a chunk's activations are held
-# (a step's attention scores over 8 windows of 2048 with 32 heads at an eighth of the positions: 0.5 GB a copy)
+CHUNK_SCORES = 2**25  # attention scores a chunk of windows may hold (128 MB a copy in float32): windows run through
+# the layer a chunk at a time, in steps and checks alike, and only a chunk's activations are held (a step of 8 windows
+# of 2048 with 32 heads at an eighth of the positions: 0.5 GB a copy, so chunks of 2; small layers take whole batches)
 
 
 def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentAttention, shape: AttentionShape,
@@ -40,26 +41,67 @@ def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentA
     ``queries`` (sorted positions [Q]) only the outputs at those positions → [B, Q, H]."""
     B, S, _ = x.shape
     N, G, d, R = shape.heads, shape.kv_heads, shape.head_dim, rope_dim
-    xq, cq, sq, mask = x, cos, sin, None
+    xq, cq, sq = x, cos, sin
     if queries is not None:
         xq, cq, sq = x[:, queries], cos[queries], sin[queries]
-        mask = queries[:, None] >= torch.arange(S, device=x.device)[None, :]  # [Q, S] causal
     Q = xq.shape[1]
     q_nope = F.linear(xq, p["q_nope"]).view(B, Q, N, d).transpose(1, 2)
     q_rope = rotate_interleaved(F.linear(xq, p["q_rope"]).view(B, Q, N, R).transpose(1, 2), cq, sq)
     latent = F.linear(x, p["down"])  # [B, S, r]
     bias = None if fixed.k_rope_bias is None else fixed.k_rope_bias.to(x.dtype)
-    k_rope = rotate_interleaved(F.linear(x, p["k_rope"], bias), cos, sin)[:, None]  # [B, 1, S, R]
+    k_rope = rotate_interleaved(F.linear(x, p["k_rope"], bias), cos, sin)  # [B, S, R]
+    if queries is None:
+        out = _expanded_attention(q_nope, q_rope, latent, k_rope, p, shape)
+    else:
+        mask = queries[:, None] >= torch.arange(S, device=x.device)[None, :]  # [Q, S] causal
+        cheaper = _latent_work(shape, latent.shape[-1], S, Q) < _expanded_work(shape, latent.shape[-1], S, Q)
+        attend = _attention_in_latent if cheaper else _expanded_attention
+        out = attend(q_nope, q_rope, latent, k_rope, p, shape, mask)
+    o_bias = None if fixed.o_bias is None else fixed.o_bias.to(x.dtype)
+    return F.linear(out.transpose(1, 2).reshape(B, Q, N * d), fixed.o.to(x.dtype), o_bias)
+
+
+def _expanded_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                        p: dict[str, torch.Tensor], shape: AttentionShape,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with every KV head's keys and values formed from the latent: q [B, N, Q, ·] → [B, N, Q, d]."""
+    B, N, _, R = q_rope.shape
+    S, G, d = latent.shape[1], shape.kv_heads, shape.head_dim
     k_nope = F.linear(latent, p["up_k"]).view(B, S, G, d).transpose(1, 2).repeat_interleave(N // G, dim=1)
     v = F.linear(latent, p["up_v"]).view(B, S, G, d).transpose(1, 2).repeat_interleave(N // G, dim=1)
     q = torch.cat([q_nope, q_rope], dim=-1)
-    k = torch.cat([k_nope, k_rope.expand(B, N, S, R)], dim=-1)
+    k = torch.cat([k_nope, k_rope[:, None].expand(B, N, S, R)], dim=-1)
     if mask is None:
-        out = causal_attention(q, k, v)  # scale (d+R)^-½
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    o_bias = None if fixed.o_bias is None else fixed.o_bias.to(x.dtype)
-    return F.linear(out.transpose(1, 2).reshape(B, Q, N * d), fixed.o.to(x.dtype), o_bias)
+        return causal_attention(q, k, v)  # scale (d+R)^-½
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _attention_in_latent(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                         p: dict[str, torch.Tensor], shape: AttentionShape, mask: torch.Tensor) -> torch.Tensor:
+    """The same attention with up_k and up_v absorbed into the query and the output (what MLA engines decode
+    with): every head scores [c; k_rope] and averages c, so no per-head key or value is formed — less work when
+    few queries meet a wide latent shared by many KV heads. q [B, N, Q, ·], mask [Q, S] → [B, N, Q, d]."""
+    B, N, Q, R = q_rope.shape
+    G, d, r = shape.kv_heads, shape.head_dim, latent.shape[-1]
+    up_k = p["up_k"].view(G, d, r).repeat_interleave(N // G, dim=0)  # [N, d, r]
+    up_v = p["up_v"].view(G, d, r).repeat_interleave(N // G, dim=0)
+    q = torch.cat([q_nope @ up_k, q_rope], dim=-1).reshape(B, 1, N * Q, r + R)  # heads side by side as queries
+    k = torch.cat([latent, k_rope], dim=-1)[:, None]  # [B, 1, S, r+R]
+    averaged = F.scaled_dot_product_attention(q, k, latent[:, None], attn_mask=mask.repeat(N, 1),
+                                              scale=(d + R) ** -0.5)  # [B, 1, N·Q, r]
+    return averaged.view(B, N, Q, r) @ up_v.transpose(1, 2)
+
+
+def _expanded_work(shape: AttentionShape, rank: int, window: int, queries: int) -> int:
+    """Multiply-adds of K and V from the latent and of the scores and averages at width d, per window."""
+    N, G, d = shape.heads, shape.kv_heads, shape.head_dim
+    return window * rank * 2 * G * d + 2 * N * queries * window * d
+
+
+def _latent_work(shape: AttentionShape, rank: int, window: int, queries: int) -> int:
+    """… of the same in the latent: scores and averages at width r, and each head's query in and output out."""
+    N, d = shape.heads, shape.head_dim
+    return 2 * N * queries * window * rank + 2 * N * queries * d * rank
 
 
 @dataclass(frozen=True)
@@ -124,14 +166,15 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
 
     def error(x: torch.Tensor | NormalizedWindows, y: torch.Tensor, rows: torch.Tensor, at: torch.Tensor | None = None,
               train: bool = False) -> float:
-        """‖MLA(x) − y‖² / ‖y‖² over the windows ``rows`` (at positions ``at``), ``CHUNK`` windows at a time; with
+        """‖MLA(x) − y‖² / ‖y‖² over the windows ``rows`` (at positions ``at``), a chunk of windows at a time; with
         ``train`` each chunk's share is back-propagated as soon as it is formed (the shares' gradients add up to
         the whole error's), so that only one chunk's activations are held at once."""
         def target(part: torch.Tensor) -> torch.Tensor:
             return y[part] if at is None else y[part][:, at]
 
         total, measured = target(rows).pow(2).sum(), 0.0
-        for part in rows.split(CHUNK):
+        chunk = max(1, CHUNK_SCORES // (shape.heads * (S if at is None else len(at)) * S))
+        for part in rows.split(chunk):
             share = (latent_attention(x[part], params, fixed, shape, rope_dim, cos, sin, at) - target(part)).pow(2).sum()
             share = share / total
             if train:
@@ -174,9 +217,13 @@ def refine(latent: LatentAttention, shape: AttentionShape, rope_dim: int, slot_f
 def refinement_flops(shape: AttentionShape, rope_dim: int, rank: int, windows: int, window: int,
                      queries: int | None = None) -> float:
     """Rough multiply-adds ×2 of one forward+backward step over ``windows`` windows of ``window`` tokens, the
-    error taken at ``queries`` positions of each (all when None)."""
-    N, G, d, H = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden
+    error taken at ``queries`` positions of each (all when None), with the attention formed as ``latent_attention``
+    forms it."""
+    N, d, H, R = shape.heads, shape.head_dim, shape.hidden, rope_dim
     queries = window if queries is None else min(queries, window)
-    key_side = H * (rank + rope_dim) + rank * 2 * G * d  # per token: the latent, the rotated key, K and V
-    query_side = H * N * (d + rope_dim) + H * N * d + window * N * (2 * d + rope_dim)  # per query: q, W_o, scores
-    return 3 * 2 * windows * (window * key_side + queries * query_side)
+    key_side = window * H * (rank + R)  # the latent and the rotated key
+    query_side = queries * (H * N * (d + R) + H * N * d + window * N * R)  # q, W_o and the rotary scores
+    attend = _expanded_work(shape, rank, window, queries)
+    if queries < window:
+        attend = min(attend, _latent_work(shape, rank, window, queries))
+    return 3 * 2 * windows * (key_side + query_side + attend)

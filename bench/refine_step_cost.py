@@ -69,7 +69,7 @@ def main() -> None:
     print(f"layer H={H} N={N} G={G} d={d} r={r} R={R}, {args.batch}×{args.window} tokens a step, error at "
           f"{queries or args.window} positions a window, "
           f"{torch.get_num_threads()} threads")
-    print(f"  per step: wall {wall:.2f} s, CPU {cpu:.2f} s; estimate at CPU_FLOPS={CPU_FLOPS:.0e}: {estimate:.2f} s")
+    print(f"  per step: wall {wall:.3g} s, CPU {cpu:.3g} s; estimate at CPU_FLOPS={CPU_FLOPS:.0e}: {estimate:.3g} s")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentA
     """The linear MLA layer on x [B, S, H] → [B, S, H], with the trainable factors taken from ``p``; with
     ``queries`` (sorted positions [Q]) only the outputs at those positions → [B, Q, H]."""
     B, S, _ = x.shape
-    N, G, d, R = shape.heads, shape.kv_heads, shape.head_dim, rope_dim
+    N, d, R = shape.heads, shape.head_dim, rope_dim
     xq, cq, sq = x, cos, sin
     if queries is not None:
         xq, cq, sq = x[:, queries], cos[queries], sin[queries]

@@ -30,8 +30,9 @@ QUERY_SHARE = 8  # a step's error is taken at 1/QUERY_SHARE of each window's pos
 # of it, i.e. in wide layers (bench/README.md, issue 16)
 BACKOFF = 3.0  # a check that does not beat the best state goes back to it and divides the rate by this
 CHUNK_SCORES = 2**25  # attention scores a chunk of windows may hold (128 MB a copy in float32): windows run through
-# the layer a chunk at a time, in steps and checks alike, and only a chunk's activations are held (a step of 8 windows
-# of 2048 with 32 heads at an eighth of the positions: 0.5 GB a copy, so chunks of 2; small layers take whole batches)
+# the layer a chunk at a time and only a chunk's activations are held (a step of 8 windows of 2048 with 32 heads at an
+# eighth of the positions: 0.5 GB a copy, so chunks of 2; small layers take whole batches). The checks, at every
+# position, are sized the same way although their fused causal kernel holds no scores: one window at a time there.
 
 
 def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentAttention, shape: AttentionShape,

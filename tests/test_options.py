@@ -85,3 +85,37 @@ def test_a_flag_given_on_the_command_line_overrides_the_recipe_and_an_absent_one
     options = seen["options"]
     assert (options.kv_keep, options.calib_window, options.verify, options.shard_size) == (0.5, 512, False, 2 * 10**6)
     assert options.calib_tokens == ConvertOptions().calib_tokens and options.recipe == str(recipe)
+
+
+def test_a_recipe_option_fills_the_fields_left_at_their_defaults(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"kv_keep": 0.5, "calib_tokens": 4096, "calib_dataset": "wikitext",
+                                      "verify": False}))
+    options = ConvertOptions(recipe=str(recipe), calib_tokens=8192, calib=["mine.txt"])
+    assert (options.kv_keep, options.calib_tokens, options.verify) == (0.5, 8192, False)
+    assert (options.calib, options.calib_dataset) == (["mine.txt"], None)  # calib given: the recipe's dataset goes
+    # a value equal to the default cannot be told from an absent one; from_recipe's overrides win even then
+    assert ConvertOptions(recipe=str(recipe), verify=True).verify is False
+    assert ConvertOptions.from_recipe(recipe, verify=True).verify is True
+    assert ConvertOptions.from_recipe(recipe) == ConvertOptions(recipe=str(recipe))
+
+
+def test_the_command_line_applies_a_recipe_through_from_recipe(tmp_path, monkeypatch):
+    import mlaconv.conversion
+
+    seen = []
+
+    def fake_convert(src, out, options, progress):
+        seen.append((src, options))
+        raise MlaconvError("stop here")
+
+    monkeypatch.setattr(mlaconv.conversion, "convert", fake_convert)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"source": "org/model", "kv_keep": 0.5, "verify": False,
+                                      "calib_dataset": "wikitext"}))
+    for extra in ([], ["--verify"], ["--weights-only"]):
+        CliRunner().invoke(app, ["convert", "OUT", "--recipe", str(recipe), *extra])
+    (src, plain), (_, verified), (_, weights_only) = seen
+    assert src == "org/model" and plain == ConvertOptions.from_recipe(recipe)
+    assert verified == ConvertOptions.from_recipe(recipe, verify=True)  # a flag at its default still wins
+    assert (weights_only.calib, weights_only.calib_dataset, weights_only.kv_keep) == ([], None, 0.5)

@@ -8,13 +8,14 @@ from these fields; nothing lists the options a second time.
 A recipe (``recipes/*.yaml``) is a flat YAML file of those keys, plus ``source`` (the hub id it was written for, an
 informational default) and ``kv_cache`` (the KV cache per token before and after, informational, and checked
 against the computed values by ``plan.check_recipe`` so that a recipe cannot lie). ``load_recipe`` reads and
-type-checks one; ``merge_options`` overlays the command-line values (explicit values win).
+type-checks one; ``merge_options`` overlays the command-line values (explicit values win);
+``ConvertOptions(recipe=path)`` and ``ConvertOptions.from_recipe`` apply a recipe.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -115,10 +116,20 @@ class ConvertOptions:
                                          "shapes vLLM does not run), sglang, llamacpp.", str, recipe=(str,))
     extra_report: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """With ``recipe``, the recipe's values for the fields left at their defaults (the others were given)."""
+        if self.recipe is not None:
+            given = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != _default(f)}
+            for name, value in merge_options(load_recipe(self.recipe).options, given).items():
+                setattr(self, name, value)
+
     @classmethod
     def from_recipe(cls, path: str | Path, **overrides) -> "ConvertOptions":
-        """The options a ``recipes/*.yaml`` file sets, with ``overrides`` (not None) winning, as on the command line."""
-        return cls(**merge_options(load_recipe(path).options, overrides), recipe=str(path))
+        """The options a ``recipes/*.yaml`` file sets, with ``overrides`` (not None) winning, as on the command line:
+        unlike ``ConvertOptions(recipe=path, ...)``, also an override equal to the field's default."""
+        options = cls(**merge_options(load_recipe(path).options, overrides))
+        options.recipe = str(path)  # set after __init__, which would apply the recipe a second time
+        return options
 
     @property
     def evaluated(self) -> bool:
@@ -132,6 +143,10 @@ class ConvertOptions:
     @property
     def calibrated(self) -> bool:
         return bool(self.calib or self.calib_dataset)
+
+
+def _default(declared: Field) -> Any:
+    return declared.default_factory() if declared.default_factory is not MISSING else declared.default
 
 
 def flags(cls: type = ConvertOptions) -> dict[str, Flag]:

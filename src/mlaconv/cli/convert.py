@@ -36,23 +36,20 @@ def convert(
     with handle_errors(debug, json_out):
         from mlaconv.conversion import convert as run_convert
         from mlaconv.errors import MlaconvError
-        from mlaconv.options import ConvertOptions, given_options, load_recipe, merge_options
+        from mlaconv.options import ConvertOptions, given_options, load_recipe
 
         settings = given_options(flags)
+        options = ConvertOptions.from_recipe(recipe, **settings) if recipe is not None else ConvertOptions(**settings)
         if recipe is not None:
-            loaded = load_recipe(recipe)
-            settings = merge_options(loaded.options, settings)
             if out is None and src is not None:  # one positional argument with a recipe: it is OUT
                 src, out = None, Path(src)
-            src = src or loaded.source
-            settings["recipe"] = str(recipe)
+            src = src or load_recipe(recipe).source
         if weights_only:
-            settings.pop("calib", None)
-            settings.pop("calib_dataset", None)
+            options.calib, options.calib_dataset = [], None
         if src is None or out is None:
             raise MlaconvError("give SRC and OUT (SRC may come from --recipe)")
         with progress(quiet) as track:
-            report = run_convert(src, out, ConvertOptions(**settings), progress=track)
+            report = run_convert(src, out, options, progress=track)
         render_report(report, report_console(json_out))
         if json_out:
             emit_json(report.to_json())

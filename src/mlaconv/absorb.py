@@ -44,6 +44,7 @@ from mlaconv.io.writer import DEFAULT_SHARD_BYTES
 from mlaconv.mla import rope
 from mlaconv.mla.layer import MLAAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
+from mlaconv.pipeline import checkpoint_layers
 
 ABSORBED_DIR = "absorbed"
 MANIFEST = "absorbed.json"
@@ -192,17 +193,16 @@ def write_absorbed(checkpoint_folder: Path, out_subfolder: Path | None = None, *
     rope_spec = RopeSpec.from_config(config)
     reader = CheckpointReader(folder)
     out_dtype = dtype if dtype is not None else reader.dtype(deepseek.layer_prefix(0) + deepseek.Q_PROJ)
-    layers = int(config["num_hidden_layers"])
 
     bounds: list[float] = []
     with atomic_output_dir(out, force=force) as tmp:
         writer = ShardedWriter(tmp, shard_size)
         writer.add(ROPE_INV_FREQ, rope_spec.inv_freq.to(torch.float32))
-        for i in range(layers):
-            absorbed, bound = checked_absorb(deepseek.read_attention(reader, i), shape, i, max_norm_nonlinearity)
+        for layer in checkpoint_layers(reader, int(config["num_hidden_layers"])):
+            absorbed, bound = checked_absorb(layer.read_attention(), shape, layer.index, max_norm_nonlinearity)
             bounds.append(bound)
             for tensor, value in absorbed.tensors().items():
-                writer.add(layer_name(i, tensor), value.to(out_dtype))
+                writer.add(layer_name(layer.index, tensor), value.to(out_dtype))
             del absorbed
         index = writer.finish()
         reader.close()

@@ -6,6 +6,9 @@ its statistics from the ``SourceStreamer``. When the consumer asks for the next 
 calibration activations through the one before, following the converted layers the consumer put in
 ``SourceLayer.follow``; steps never drive the streamer themselves. ``convert``, the (r, R) split search, the
 rope-stride pass, ``inspect spectra`` and the bench baselines all iterate this.
+
+``checkpoint_layers`` is the same loop over a converted DeepSeek-V3 checkpoint, for what reads one back
+(``absorb``, the GGUF export, the latent-cache runtime).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Iterator
 
 import torch
 
+from mlaconv import deepseek
 from mlaconv.arch import SourceSpec
 from mlaconv.calibrate import MLARun, SourceStreamer
 from mlaconv.families import SourceWeights
@@ -78,6 +82,28 @@ def source_layers(reader: CheckpointReader, spec: SourceSpec, streamer: SourceSt
         yield layer
         if streamer is not None:
             streamer.advance(i, layer.attention, layer.follow or None, layer.run)
+
+
+@dataclass(frozen=True)
+class CheckpointLayer:
+    """Layer ``index`` of a converted DeepSeek-V3 checkpoint."""
+
+    index: int
+    reader: CheckpointReader
+
+    @property
+    def prefix(self) -> str:
+        """The layer's tensor names start with this."""
+        return deepseek.layer_prefix(self.index)
+
+    def read_attention(self) -> MLAAttention:
+        return deepseek.read_attention(self.reader, self.index)
+
+
+def checkpoint_layers(reader: CheckpointReader, num_layers: int) -> Iterator[CheckpointLayer]:
+    """Every layer of a converted checkpoint in order."""
+    for i in range(num_layers):
+        yield CheckpointLayer(i, reader)
 
 
 def read_attention(reader: CheckpointReader, spec: SourceSpec, i: int) -> SourceAttention:

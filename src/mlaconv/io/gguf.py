@@ -46,6 +46,7 @@ from mlaconv.errors import MlaconvError
 from mlaconv.io.gguf_vocab import Vocabulary, read_vocabulary
 from mlaconv.io.source import CheckpointReader, read_config
 from mlaconv.io.writer import atomic_output_file, check_free_space
+from mlaconv.pipeline import checkpoint_layers
 from mlaconv.progress import Progress, no_progress
 
 LLAMA_CPP_CHECKED = "llama.cpp 0c1e57098 (vendored in llama-cpp-python 0.3.36)"
@@ -163,8 +164,8 @@ def plan_entries(shape: DeepseekShape, reader: CheckpointReader) -> list[Entry]:
         return split
 
     entries = [Entry("token_embd.weight", (s.vocab, H), source(deepseek.EMBED, (s.vocab, H)))]
-    for i in range(s.layers):
-        p, b = deepseek.layer_prefix(i), f"blk.{i}."
+    for layer in checkpoint_layers(reader, s.layers):
+        p, b = layer.prefix, f"blk.{layer.index}."
         entries += [
             Entry(b + "attn_norm.weight", (H,), source(p + "input_layernorm.weight", (H,))),
             Entry(b + "attn_q.weight", (N * (P + R), H), source(p + deepseek.Q_PROJ, (N * (P + R), H)),

@@ -19,6 +19,7 @@ from mlaconv.absorb import (ABSORBED_DIR, MANIFEST, AbsorbedAttention, RopeSpec,
                             checked_absorb, read_absorbed_layer, read_absorbed_manifest)
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, read_config
+from mlaconv.pipeline import checkpoint_layers
 from mlaconv.runtime.attention import absorbed_attention, latent_rows, rope_cos_sin, widened
 
 
@@ -120,12 +121,12 @@ class LatentDecoder:
             return reader.get(name).to(device=device, dtype=dtype)
 
         layers = []
-        for i in range(layers_total):
+        for layer in checkpoint_layers(reader, layers_total):
             if absorbed_reader is not None:
-                attention = read_absorbed_layer(absorbed_reader, i)
+                attention = read_absorbed_layer(absorbed_reader, layer.index)
             else:
-                attention, _ = checked_absorb(deepseek.read_attention(reader, i), shape, i)
-            p = deepseek.layer_prefix(i)
+                attention, _ = checked_absorb(layer.read_attention(), shape, layer.index)
+            p = layer.prefix
             layers.append(DecoderLayer(
                 input_norm=get(p + "input_layernorm.weight"), attention=attention.to(dtype, device),
                 post_attention_norm=get(p + "post_attention_layernorm.weight"),

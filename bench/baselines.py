@@ -1,11 +1,11 @@
 """Baseline GQA/MHA → DeepSeek-V3 MLA converters for the fidelity bench.
 
-Both write a checkpoint with exactly mlaconv's serving shapes and plumbing: the same (r, R) from
-``plan_shapes``, full-rank ``q_proj`` with the softmax-scale fix √((d+R)/d), the shared RoPE key on a
-strided frequency grid in interleaved pairs (``rope.interleave``, ``target_rope_theta``), the
-tiny-latent ``kv_a_layernorm`` (``tiny_latent``, its smallness split with the input norm by ``scale_input``),
-the residual-stream ε rescale, the same bias folds,
-``build_config`` and ``ShardedWriter``. Only the factorization differs:
+Both write a checkpoint with exactly mlaconv's serving shapes and plumbing (``baseline_plumbing``): the same
+(r, R) from ``plan_shapes``, full-rank ``q_proj`` with the softmax-scale fix √((d+R)/d), the shared RoPE key on a
+strided frequency grid in interleaved pairs (``rope.interleave``, ``target_rope_theta``), the tiny-latent
+``kv_a_layernorm`` (``tiny_latent``, its smallness split with the input norm by ``scale_input``), the
+residual-stream ε rescale, the same bias folds, ``build_config``, and mlaconv's layer loop and writer. Only the
+factorization differs:
 
 ``joint-svd`` — MHA2MLA's initialisation made expressible in the DeepSeek layout (weights only).
     The shared RoPE key is the head-averaged key at the kept frequencies 0, s, 2s, … (s = d / R by
@@ -48,147 +48,21 @@ x = γ ⊙ ĥ; every activation statistic used is a quadratic form in it.
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from mlaconv.arch import SourceSpec
-from mlaconv.calibrate import CalibrationOptions, SourceStreamer
-from mlaconv.io import CheckpointReader, ShardedWriter, atomic_output_dir
-from mlaconv.io.layout import LayerWriter, copy_tokenizer
+from baseline_plumbing import Baseline, Factorization, attention_shape, plan_baseline, read_layers, write_baseline
 from mlaconv.mla import rope
-from mlaconv.mla.attention import scale_input
-from mlaconv.mla.layer import AttentionShape, MLAAttention, SourceAttention
-from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
+from mlaconv.mla.layer import AttentionShape, SourceAttention
 from mlaconv.models import load_causal_lm
-from mlaconv import models
-from mlaconv.pipeline import source_layers
-from mlaconv.plan import Shapes, load_source, output_config, plan_shapes, residual_scale
+from mlaconv.plan import Shapes
 
-DTYPES = {name: models.DTYPES[name] for name in ("float32", "bfloat16")}
 PCA_DAMPING = 0.01  # TransMLA's pca_calc: + 0.01·mean(diag) on the diagonal
-
-
-# ------------------------------------------------------------------------------------- common plumbing
-
-
-@dataclass
-class Factorization:
-    """One layer in the DeepSeek key layout, before the stock plumbing (all float64, source coordinates).
-
-    Scores become q_nope·k_nope + q_rope·k_rope with q_nope the source query, k_nope = up_k·c for the
-    head's KV group, and c = down·x the cached latent.
-    """
-
-    q_rope: torch.Tensor  # [N, R, H] rope rows of each query head (interleaved pairs), before the scale fix
-    k_rope: torch.Tensor  # [R, H] the shared rope key (interleaved pairs)
-    k_rope_bias: torch.Tensor | None  # [R]
-    down: torch.Tensor  # [r, H]
-    up_k: torch.Tensor  # [n_kv, d, r] NoPE key of each KV head
-    up_v: torch.Tensor  # [n_kv, d, r] value of each KV head
-
-
-def assemble(src: SourceAttention, shape: AttentionShape, f: Factorization, residual_scale: float,
-             delta: float = DEFAULT_DELTA) -> tuple[MLAAttention, list[str]]:
-    """The stock tensors for one layer (mlaconv's plumbing) → (weights, bias terms no tensor can hold)."""
-    N, G, d = shape.heads, shape.kv_heads, shape.head_dim
-    R, r = f.k_rope.shape[0], f.down.shape[0]
-    group_of_head = torch.arange(N) // shape.group
-    gamma = src.input_norm.double()
-
-    typical_rms = math.sqrt(max(((f.down * gamma) ** 2).sum().item(), 0.0) / r)
-    tiny = tiny_latent(f.down, gamma, typical_rms, delta=delta)
-    q = torch.cat([src.q.double().reshape(N, d, -1), f.q_rope], dim=1).reshape(N * (d + R), -1)
-    kv_b = torch.stack([f.up_k, f.up_v], dim=1)[group_of_head].reshape(N * 2 * d, r)  # per head: d key, d value rows
-
-    dropped = ["q_proj.bias"] if src.q_bias is not None and src.q_bias.abs().max() > 0 else []
-    kv_a_bias = None
-    if src.k_bias is not None:  # the NoPE part of a key bias adds q·b to every score of a query: softmax drops it
-        kv_a_bias = torch.cat([torch.zeros(r, dtype=torch.float64), f.k_rope_bias])
-    o_bias = None
-    if src.v_bias is not None or src.o_bias is not None:  # Σ softmax = 1: a value bias adds W_o·b_v
-        o_bias = torch.zeros(src.o.shape[0], dtype=torch.float64)
-        if src.v_bias is not None:
-            o_bias += src.o.double() @ src.v_bias.double().reshape(G, d)[group_of_head].reshape(N * d)
-        if src.o_bias is not None:
-            o_bias += src.o_bias.double()
-        o_bias *= residual_scale
-    mla = MLAAttention(
-        q_proj=q * math.sqrt((d + R) / d),
-        kv_a_proj=torch.cat([tiny.beta * f.down, f.k_rope]),
-        kv_a_norm=torch.full((r,), tiny.norm_weight, dtype=torch.float64),
-        kv_b_proj=kv_b * tiny.up_scale,
-        o_proj=src.o.double() * residual_scale,
-        input_norm=gamma,
-        kv_a_bias=kv_a_bias,
-        o_bias=o_bias,
-    )
-    return scale_input(mla, r, gamma**2), dropped
-
-
-def write_checkpoint(out: Path, folder: Path, spec: SourceSpec, reader: CheckpointReader, shapes: Shapes,
-                     stride: int, layers: list[MLAAttention], report: dict, dtype: torch.dtype = torch.float32) -> None:
-    """Write (or replace) the DeepSeek-V3 folder with mlaconv's own writer, as ``convert --target transformers``
-    lays it out (biases kept, the source's rope scaling); ``report`` → baseline.json."""
-    attention_bias = bool(spec.qkv_bias or spec.o_bias)
-    with atomic_output_dir(Path(out), force=True) as tmp:
-        writer = ShardedWriter(tmp)
-        output = LayerWriter(writer, reader, spec, residual_scale(spec), dtype, attention_bias, tmp / ".pending")
-        output.outer()
-        for i, mla in enumerate(layers):
-            output.layer(i, {"baseline": mla})
-        writer.finish()
-        config, _ = output_config(spec, shapes, stride, "transformers", attention_bias, dtype)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        copy_tokenizer(folder, tmp)
-        (tmp / "baseline.json").write_text(json.dumps(report, indent=2) + "\n")
-
-
-def _convert(method: str, source: str | Path, out: str | Path, layers: list[SourceAttention], shapes: Shapes,
-             stride: int, factorizations: list[Factorization], started: float, dtype: str, **extra) -> dict:
-    """Assemble every layer with the stock plumbing, write the folder, return its report."""
-    folder, spec, reader = load_source(str(source))
-    shape = attention_shape(spec)
-    assembled = [assemble(src, shape, f, residual_scale(spec)) for src, f in zip(layers, factorizations)]
-    report = {
-        "method": method, "source": str(folder), "kv_lora_rank": shapes.rank, "qk_rope_head_dim": shapes.rope_dim,
-        "kv_keep": (shapes.rank + shapes.rope_dim) / spec.kv_elements_per_token_per_layer, "rope_stride": stride,
-        "dropped_bias": sorted({name for _, lost in assembled for name in lost}), **extra,
-        "seconds": round(time.perf_counter() - started, 2),
-    }
-    write_checkpoint(Path(out), folder, spec, reader, shapes, stride, [mla for mla, _ in assembled], report,
-                     DTYPES[dtype])
-    reader.close()
-    return report
-
-
-def attention_shape(spec: SourceSpec) -> AttentionShape:
-    return AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-
-
-def read_layers(source: str | Path, rank: int | None, kv_keep: float | None, rope_dim: int | None):
-    """(spec, shapes from ``plan_shapes``, every layer's attention weights) of a source folder."""
-    _, spec, reader = load_source(str(source))
-    shapes = plan_shapes(spec, rank, kv_keep, rope_dim)
-    layers = [layer.attention for layer in source_layers(reader, spec)]
-    reader.close()
-    return spec, shapes, layers
-
-
-def stand_in_layers(source: str | Path, ids: torch.Tensor) -> list[SourceAttention]:
-    """Every layer's attention, each QK-normed one replaced by mlaconv's least-squares linear stand-in, fitted on
-    ids [n, w]."""
-    _, spec, reader = load_source(str(source))
-    streamer = SourceStreamer(reader, spec, CalibrationOptions(ids))
-    linear = [layer.linear for layer in source_layers(reader, spec, streamer)]
-    reader.close()
-    return linear
 
 
 # ------------------------------------------------------------------------------------------- joint SVD
@@ -224,11 +98,11 @@ def convert_joint_svd(source: str | Path, out: str | Path, *, kv_keep: float | N
     pass mlaconv's chosen stride to compare at equal frequencies. QK-norm is dropped (no data to fit a stand-in).
     """
     started = time.perf_counter()
-    spec, shapes, layers = read_layers(source, rank, kv_keep, rope_dim)
+    spec, shapes = plan_baseline(source, rank, kv_keep, rope_dim)
     shape = attention_shape(spec)
     stride = rope_stride or default_stride(spec.head_dim, shapes.rope_dim)
-    factorizations = [joint_svd_layer(src, shape, shapes.rope_dim, shapes.rank, stride) for src in layers]
-    return _convert("joint-svd", source, out, layers, shapes, stride, factorizations, started, dtype)
+    step = Baseline(spec, lambda _, src: joint_svd_layer(src, shape, shapes.rope_dim, shapes.rank, stride))
+    return write_baseline("joint-svd", source, out, step, shapes, stride, started, dtype)
 
 
 def default_stride(head_dim: int, rope_dim: int) -> int:
@@ -371,11 +245,10 @@ def convert_transmla(source: str | Path, out: str | Path, calib_ids: torch.Tenso
     "stand-in" (mlaconv's linear stand-ins, fitted on ``calib_ids``).
     """
     started = time.perf_counter()
-    spec, shapes, layers = read_layers(source, rank, kv_keep, rope_dim)
-    if qk_norm == "stand-in":
-        layers = stand_in_layers(source, calib_ids)
-    elif qk_norm != "dropped":
+    if qk_norm not in ("dropped", "stand-in"):
         raise ValueError(f"qk_norm must be 'dropped' or 'stand-in', got {qk_norm!r}")
+    spec, shapes = plan_baseline(source, rank, kv_keep, rope_dim)
+    layers = read_layers(source, calib_ids if qk_norm == "stand-in" else None)
     shape = attention_shape(spec)
     d, R = spec.head_dim, shapes.rope_dim
     if d % R:
@@ -391,19 +264,18 @@ def convert_transmla(source: str | Path, out: str | Path, calib_ids: torch.Tenso
         for ff in [freqfold] if freqfold is not None else candidates:
             bases[ff] = [rorope_basis(augmented(src.k, src.k_bias), m, shape, R, ff)
                          for src, m in zip(layers, source_moments)]
-            partial = [transmla_layer(src, shape, b, R, None, None) for src, b in zip(layers, bases[ff])]
-            _convert("transmla-partial-rope", source, Path(tmp) / f"ff{ff}", layers, partial_shapes, d // R, partial,
-                     started, "float32")
+            partial = Baseline(spec, lambda i, src: transmla_layer(src, shape, bases[ff][i], R, None, None), layers)
+            write_baseline("transmla-partial-rope", source, Path(tmp) / f"ff{ff}", partial, partial_shapes, d // R,
+                           started, "float32")
             search[ff] = calibration_perplexity(Path(tmp) / f"ff{ff}", calib_ids, batch_size)
             if len(search) > 1 and search[ff] >= min(list(search.values())[:-1]):
                 break  # TransMLA's auto: keep doubling only while the perplexity improves
         best = min(search, key=search.get)
         moments = attention_input_moments(Path(tmp) / f"ff{best}", calib_ids, batch_size)  # stage B recalibration
-    factorizations = [transmla_layer(src, shape, b, R, m, shapes.rank)
-                      for src, b, m in zip(layers, bases[best], moments)]
+    step = Baseline(spec, lambda i, src: transmla_layer(src, shape, bases[best][i], R, moments[i], shapes.rank), layers)
     calibration = {"windows": len(calib_ids), "window": calib_ids.shape[1]}
-    return _convert("transmla", source, out, layers, shapes, d // R, factorizations, started, dtype, freqfold=best,
-                    partial_rope_calib_ppl=search, calibration=calibration)
+    return write_baseline("transmla", source, out, step, shapes, d // R, started, dtype, freqfold=best,
+                          partial_rope_calib_ppl=search, calibration=calibration)
 
 
 def calibration_perplexity(folder: str | Path, ids: torch.Tensor, batch_size: int = 8) -> float:

@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE))
 from eval_lib import calibration_ids  # noqa: E402
 
 from mlaconv.calibrate import CalibrationOptions, SourceStreamer  # noqa: E402
-from mlaconv.pipeline import read_attention  # noqa: E402
+from mlaconv.pipeline import source_layers  # noqa: E402
 from mlaconv.plan import load_source  # noqa: E402
 from mlaconv.mla.qk_norm import linear_fit  # noqa: E402
 from mlaconv.reference import query_key, rms_norm, rotate_half_pairs, source_attention  # noqa: E402
@@ -90,9 +90,9 @@ def main() -> None:
     print("| layer | q unexplained | k unexplained | attention-output error, uncompressed stand-in | key 1/rms std/mean "
           "| true q, linear k | linear q, true k | joint-RMS q (q_a_layernorm), linear k | joint-RMS q unexplained |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for i in range(spec.num_layers):
-        true = read_attention(reader, spec, i)
-        linear = streamer.stand_in(i, true, streamer.stats(i, true)).cast(dtype=torch.float32)
+    for layer in source_layers(reader, spec, streamer):
+        i, true = layer.index, layer.attention
+        linear = layer.linear.cast(dtype=torch.float32)
         true32 = true.cast(dtype=torch.float32)
         angles = streamer.rotated_angles if true.rotated else torch.zeros_like(streamer.rotated_angles)
         with torch.no_grad():
@@ -111,7 +111,6 @@ def main() -> None:
         print(f"| {i} | {relative(q_lin, q):.4f} | {relative(k_lin, k):.4f} | {out:.4f} | {spread} | "
               + " | ".join(f"{e:.4f}" for e in splits) + f" | {relative(q_joint, q):.4f} |", flush=True)
         stand_ins[i] = linear
-        streamer.advance(i, true)
     reader.close()
     if args.write_stand_in:
         write_stand_in(args.model, args.write_stand_in, stand_ins)

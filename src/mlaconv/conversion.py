@@ -1,11 +1,12 @@
 """``mlaconv convert``: stream a source checkpoint layer by layer into a DeepSeek-V3 MLA checkpoint.
 
 One pass over the source (``pipeline.source_layers``) feeds each layer to a conversion step (``WeightsOnly``, or
-``calibrated.CalibratedSteps``) and the step's output to the ``LayerWriter``. Memory: one source tensor group (a
-layer's attention or MLP) is in memory at a time, plus the calibration activations when calibrated; the writer
-puts each tensor in its shard file as it is added, and the output folder appears only when complete. Weights only
-with one-thread operators and a spare core (``spare_core``), two layers are factored at once and the writer's own
-thread writes while they are (up to ``WRITE_AHEAD_BYTES`` waiting): the same bytes, sooner.
+``calibrated.CalibratedSteps``; the bench baselines plug in theirs) and the step's output to the ``LayerWriter``
+(``write_tensors``). Memory: one source tensor group (a layer's attention or MLP) is in memory at a time, plus the
+calibration activations when calibrated; the writer puts each tensor in its shard file as it is added, and the
+output folder appears only when complete. Weights only with one-thread operators and a spare core
+(``spare_core``), two layers are factored at once and the writer's own thread writes while they are (up to
+``WRITE_AHEAD_BYTES`` waiting): the same bytes, sooner.
 """
 
 from __future__ import annotations
@@ -161,17 +162,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         with heap, ShardedWriter(tmp, options.shard_size, write_ahead=write_ahead) as writer:
             output = LayerWriter(writer, reader, spec, plan.layer.residual_scale, dtype, attention_bias,
                                  tmp / ".pending")
-            output.outer()
-            layers = source_layers(reader, spec, streamer, progress, "converting layers")
-            # one layer at a time unless two run at once: an interrupt then waits for one operator, not a layer
-            converted = (step.ahead(layers) if isinstance(step, WeightsOnly) and step.workers > 1 else
-                         ((layer.index, step(layer)) for layer in layers))
-            with closing(converted):  # on an error, the layer threads end before the folder goes
-                for index, models in converted:
-                    output.layer(index, models)
-            chosen = step.finish(progress)
-            if chosen is not None:
-                output.choose(chosen)
+            write_tensors(output, source_layers(reader, spec, streamer, progress, "converting layers"), step, progress)
             writer.finish()
         reader.close()
 
@@ -207,6 +198,22 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         write_model_card(tmp, report)
     report.seconds = round(time.perf_counter() - started, 3)
     return report
+
+
+def write_tensors(output: LayerWriter, layers: Iterable[SourceLayer], step: LayerStep,
+                  progress: Progress = no_progress) -> None:
+    """Every tensor of the converted checkpoint: the outer ones, each layer as ``step`` converts it, then the chosen
+    version of the layers ``step`` held."""
+    output.outer()
+    # one layer at a time unless two run at once: an interrupt then waits for one operator, not a layer
+    converted = (step.ahead(layers) if isinstance(step, WeightsOnly) and step.workers > 1 else
+                 ((layer.index, step(layer)) for layer in layers))
+    with closing(converted):  # on an error, the layer threads end before the folder goes
+        for index, models in converted:
+            output.layer(index, models)
+    chosen = step.finish(progress)
+    if chosen is not None:
+        output.choose(chosen)
 
 
 def _after_conversion(check: Callable[[], Checked], what: str) -> Checked | Failure:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -74,6 +75,11 @@ def config_for(shape: Shape) -> dict:
     }
 
 
+def attention_elements(shape: Shape) -> int:
+    """One layer's q, k, v and o weights."""
+    return 2 * (shape.heads + shape.kv_heads) * shape.head_dim * shape.hidden
+
+
 def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor of a Llama checkpoint, in file order."""
     H, N, K, d, F = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate
@@ -111,7 +117,7 @@ def make_checkpoint(folder: Path, shape: Shape, shard_bytes: int, seed: int = 0)
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, dims in tensor_shapes(shape):
-        nbytes = 2 * _numel(dims)
+        nbytes = 2 * math.prod(dims)
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -136,13 +142,6 @@ def make_calibration(path: Path, vocab: int, windows: int, window: int, seed: in
     rng = random.Random(seed)
     path.write_text("".join(json.dumps({"input_ids": [rng.randrange(vocab) for _ in range(window)]}) + "\n"
                             for _ in range(windows)))
-
-
-def _numel(dims: tuple[int, ...]) -> int:
-    n = 1
-    for s in dims:
-        n *= s
-    return n
 
 
 def measure(command: list[str], cleanup: Path | None = None) -> dict:
@@ -178,7 +177,6 @@ def probe_attention(shape: Shape, rank: int, rope_dim: int) -> None:
     import torch
 
     from mlaconv.mla.attention import convert_attention
-
     from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
 
     H, N, K, d = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
@@ -226,8 +224,8 @@ def memory_model(shape: Shape, rank: int, rope_dim: int, attention_factor: float
                 and the attention-profile scores, computed a few heads at a time: at most max(2²⁵, b·S²)
                 of them, ·4·3 (scores, mask, softmax)
     """
-    H, N, K, d, F, V = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate, shape.vocab
-    attention = 2 * N * d * H + 2 * K * d * H
+    H, N, d, F, V = shape.hidden, shape.heads, shape.head_dim, shape.intermediate, shape.vocab
+    attention = attention_elements(shape)
     mla = N * (d + rope_dim) * H + (rank + rope_dim) * H + N * 2 * d * rank + H * N * d
     at_once = 2 if not calib_windows and 5 * attention * 8 <= LAYER_MEMORY else 1
     ahead = 0 if calib_windows else WRITE_AHEAD
@@ -345,8 +343,7 @@ def main() -> None:
     probe = subprocess.run([sys.executable, __file__, "--probe", "--rank", str(args.rank), "--rope-dim",
                             str(args.rope_dim)], check=True, capture_output=True, text=True)
     added = json.loads(probe.stdout)["added_peak_bytes"]
-    one = LLAMA_32_1B
-    factor = added / ((2 * one.heads * one.head_dim * one.hidden + 2 * one.kv_heads * one.head_dim * one.hidden) * 8)
+    factor = added / (attention_elements(LLAMA_32_1B) * 8)
     results["attention_factor"] = factor
 
     models = {

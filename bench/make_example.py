@@ -28,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from overlap import SHINGLE, drop_overlapping, shared_shingles  # noqa: E402
-from train_models import WORK, build_corpus, corpus_units, join, perplexity, split_of, windows  # noqa: E402
+from docs_corpus import build_corpus, corpus_units, join, split_of  # noqa: E402
+from train_models import WORK, perplexity, windows  # noqa: E402
 
 ROOT = HERE.parent
 WINDOW = 256

@@ -28,6 +28,7 @@ from mlaconv.mla.attention import assemble, convert_attention, factor_attention,
 from mlaconv.mla.layer import LayerOptions, LayerReport, MLAAttention
 from mlaconv.mla.refine import CHECK_EVERY, QUERY_SHARE, REFINE_BATCH, REFINE_LR, refine, refinement_flops
 from mlaconv.progress import Progress, no_progress
+from mlaconv.rotary_audit import RotaryAudit, rotary_audit
 from mlaconv.report.conversion import (Agreement, Calibration, LayerFigures, LayerSelection, RefinementOutcome,
                                        ShapeSearch, SplitCandidate, WholeModel)
 from mlaconv.report.record import WindowSets
@@ -248,15 +249,17 @@ class CalibratedLayer:
     record: LayerRecord
 
 
-def calibrate_layer(source: SourceLayer, plan: Plan, search: bool = True,
-                    refinement: RefinementPlan | None = None) -> CalibratedLayer:
+def calibrate_layer(source: SourceLayer, plan: Plan, search: bool = True, refinement: RefinementPlan | None = None,
+                    rotary: RotaryAudit | None = None) -> CalibratedLayer:
     """Convert layer i each way ``calibrated_candidates`` lists and keep the one with the least attention-output
     error on the select windows; with ``refinement`` steps, refine it on fit windows (best step chosen on the
     select windows) and keep that too if it beats the closed form there. Every reported figure is then
-    re-measured on the audit windows, for the closed form and the refined layer alike."""
+    re-measured on the audit windows, for the closed form and the refined layer alike (the rotary ones from the
+    layer's own q_rope and k_rope, ``rotary``: measured here unless given)."""
     i, src, streamer, stats = source.index, source.attention, source.streamer, source.stats
     audit_metric, linear = source.audit_metric(), source.linear  # linear: src unless QK-norm
     layer, run = plan.layer, layer_run(plan.spec, plan.layer, streamer.options.tokens.shape[1])
+    rotary = rotary or rotary_audit(source, plan.shape, layer)
 
     def error(mla: MLAAttention, windows: str) -> float:
         return streamer.attention_error(i, src, mla, run.rank, run.rope_dim, run.slot_frequencies,
@@ -265,8 +268,11 @@ def calibrate_layer(source: SourceLayer, plan: Plan, search: bool = True,
     def audited(latent, mla: MLAAttention, report: LayerReport) -> LayerReport:
         key_error, value_error, energy = latent_errors(latent.k_nope_target, src.v, latent.up_k, latent.up_v,
                                                        latent.down, audit_metric)
+        kept = rotary.of_latent(latent, run.rope_dim, report.rope_stride)
         return replace(report, key_error=key_error, value_error=value_error, energy_retained=energy,
-                       attention_error=error(mla, "audit"))
+                       attention_error=error(mla, "audit"), rope_energy_kept=kept.energy_kept,
+                       rope_energy_kept_per_frequency=kept.energy_kept_per_frequency,
+                       rope_loss_weighted_kept=kept.loss_weighted_kept, rope_score=kept.score)
 
     measured: dict[str, float] = {}
     best = None
@@ -352,7 +358,9 @@ def layer_figures(reports: list[LayerReport | None]) -> LayerFigures:
         return [getattr(r, name) if r is not None else None for r in reports]
 
     return LayerFigures(column("attention_error"), column("energy_retained"), column("key_error"),
-                        column("value_error"), column("variant"), column("objective_retained"))
+                        column("value_error"), column("variant"), column("objective_retained"),
+                        column("rope_energy_kept"), column("rope_loss_weighted_kept"),
+                        [r.rope_score.compensated if r is not None else None for r in reports])
 
 
 def calibration_report(streamer: SourceStreamer, refinement: RefinementPlan, layers: list[LayerRecord],

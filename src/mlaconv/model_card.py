@@ -147,8 +147,9 @@ def _per_layer(report: ConversionReport) -> str:
         "Calibrated: each layer kept the conversion variant with the least attention error on the select "
         "calibration windows; every figure in this table is measured on the audit windows, which the fit "
         "and every per-layer choice never saw, for the layers as written"
-        + (" (refined layers measured after their refinement; the energy and key/value errors compare them "
-           "with the source's keys and values, which refinement does not aim at)"
+        + (" (refined layers measured after their refinement, the RoPE energy from their trained rotary key; "
+           "the energy and key/value errors compare them with the source's keys and values, which refinement "
+           "does not aim at)"
            if any("refined" in v for v in variants) else "")
         + ". *Attention error*: ‖MLA − source‖² / ‖source‖² of the layer's attention output, on the source's "
         "own inputs to the layer."
@@ -158,8 +159,9 @@ def _per_layer(report: ConversionReport) -> str:
         "",
         "*Latent energy retained*: 1 − the balanced relative error of the non-rotated keys and the values "
         "through the rank-r latent (keys and values scaled to equal energy, so it is 1 − the mean of the key "
-        "and value errors), whatever variant a layer kept. *RoPE energy kept*: share of the key energy that "
-        "stays rotated in the shared R-dim key. *Key / value error*: relative error of the keys and values "
+        "and value errors), whatever variant a layer kept. *RoPE energy kept*: share of the source's rotary key "
+        "energy the shared R-dim key carries (per KV head and frequency, the best multiple of the shared key's "
+        "component at that frequency). *Key / value error*: relative error of the keys and values "
         "through the latent, in the metric of the layer's inputs. "
         + (calibrated_note if report.mode == "calibrated"
            else "Weights-only: the input is taken as isotropic after the input norm."),

@@ -38,10 +38,13 @@ from mlaconv.mla import metric as metric_math
 from mlaconv.mla import rope
 from mlaconv.mla.attention import LayerAnalysis, analyse_layer, latent_errors
 from mlaconv.mla.layer import AttentionShape, LayerOptions, LayerStats, SourceAttention
-from mlaconv.mla.shared_key import query_energy_per_head, rotating_pairs, weights_only_stats
+from mlaconv.mla.shared_key import (RotaryFigures, closed_form_slots, query_energy_per_head, rotating_pairs,
+                                     weights_only_stats)
 from mlaconv.progress import Progress, no_progress
 from mlaconv.report import SpectraReport
 from mlaconv.report.spectra import LayerSpectrum, Recommendation, SpectraSummary
+from mlaconv.rotary_audit import rotary_audit
+from mlaconv.spectra_refine import start_refinement
 
 DEFAULT_ENERGY_TARGETS = (0.9, 0.95, 0.99)
 DEFAULT_POWERS_OF_TWO = 6  # default ranks: the 6 largest powers of two below the full rank, and the full rank
@@ -66,10 +69,12 @@ class SpectraOptions:
     calib_tokens: int = shared("calib_tokens")
     calib_window: int = shared("calib_window")
     device: str | None = shared("device")
+    refine: bool = False  # also run convert's per-layer steps (``spectra_refine``): needs calibration and kv_keep
+    refine_steps: int | None = None  # as ``ConvertOptions.refine_steps`` (None: convert's default plan)
 
     def convert_options(self) -> ConvertOptions:
         """The ``convert`` settings these spectra preview (any rank: it does not enter the analysis)."""
-        return ConvertOptions(rank=None if self.kv_keep is not None else 1,
+        return ConvertOptions(rank=None if self.kv_keep is not None else 1, refine_steps=self.refine_steps,
                               **{name: getattr(self, name) for name in flags(SpectraOptions)})
 
 
@@ -109,19 +114,23 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
     plan = plan_conversion(source, settings)
     folder, spec, reader = plan.folder, plan.spec, plan.reader
     try:
+        refining = None
+        if options.refine:  # convert's split and refinement plan
+            plan, refining = start_refinement(plan, settings, progress)
         recommended = plan.shapes if options.kv_keep is not None else None
         shapes = plan.shapes
         full = model_full_rank(spec, shapes.rope_dim)
         ranks = _ranks(options.ranks, full, recommended)
-        streamer = calibration_streamer(plan, settings)
+        streamer = refining.streamer if refining else calibration_streamer(plan, settings)
         plan = with_rope_stride(plan, progress)
         calibrated = streamer is not None or stats_for_layer is not None
         weights_only = replace(plan.layer, precision=factor_precision(output_dtype(spec, settings.dtype)))
         layers = []
         for source in source_layers(reader, spec, streamer, progress, "analysing layers"):
-            i, audit = source.index, None
+            i, audit, rotary = source.index, None, None
             if streamer:
                 src, stats, audit = source.linear, source.stats, source.audit_metric()
+                rotary = rotary_audit(source, plan.shape, plan.layer)
             else:
                 src = source.attention
                 stats = stats_for_layer(i, src) if stats_for_layer else None
@@ -129,7 +138,11 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
             analysis = analyse_layer(src, plan.shape, layer_options, stats)
             energy = _audited_energy(analysis, src, stats.metric, audit, ranks) if audit is not None else None
             loss = _unrotation_loss(src, plan.shape, layer_options, analysis, stats)
-            layers.append(_layer_entry(i, analysis, loss, ranks, options.energy_targets, full, energy))
+            kept = rotary.figures(closed_form_slots(src.q, analysis.mix, analysis.choice, analysis.shared,
+                                                    plan.shape)) if rotary else None
+            layers.append(_layer_entry(i, analysis, loss, ranks, options.energy_targets, full, energy, kept))
+            if refining:
+                refining.add(source, plan, rotary)
             del src, stats, analysis, source
     finally:
         reader.close()
@@ -140,7 +153,7 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
         source=str(folder),
         architecture=spec.family.label,
         mode="calibrated" if calibrated else "weights-only",
-        shows=_shows(calibrated, streamer is not None, options.kv_keep is not None),
+        shows=_shows(calibrated, streamer is not None, options.kv_keep is not None, refining is not None),
         window_sets=window_sets(streamer.split) if streamer else None,
         settings={k: v for k, v in asdict(options).items() if k not in ("ranks", "energy_targets")},
         num_layers=spec.num_layers,
@@ -159,6 +172,7 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
         recommendation=_recommendation(recommended, options.kv_keep, spec.kv_elements_per_token_per_layer, ranks,
                                        layers),
         seconds=round(time.perf_counter() - started, 3),
+        refinement=refining.report(plan) if refining else None,
     )
 
 
@@ -183,17 +197,25 @@ def _ranks(requested: list[int] | None, full: int, recommended: Shapes | None) -
     return sorted(ranks)
 
 
-def _shows(calibrated: bool, audited: bool, budget: bool) -> str:
+def _shows(calibrated: bool, audited: bool, budget: bool, refined: bool = False) -> str:
     """What the spectra are of, in words, for the report."""
     if not calibrated:
-        return "weights-only: what convert keeps with these options (energy_retained as convert reports it)"
-    text = ("the plain calibrated variant (whitened metric, measured attention profile, balanced latent)"
-            + (" at the default (r, R) split" if budget else "") + "; convert also measures other variants per layer"
-            + (" and other splits" if budget else "") + " and keeps what its select windows favour (its layer_variant "
-            "says what). energy_curve and rank_for_energy: the spectrum, in-sample")
-    if audited:
-        return text + " (fit windows); energy_retained: measured on the audit windows, as convert reports it"
-    return text + "; energy_retained: the spectrum's, in-sample (statistics given directly, no audit windows)"
+        return ("weights-only: what convert keeps with these options (energy_retained and rope figures as convert "
+                "reports them)")
+    split = " at convert's (r, R) split" if refined else " at the default (r, R) split" if budget else ""
+    text = ("the plain calibrated variant (whitened metric, measured attention profile, balanced latent)" + split
+            + "; convert also measures other variants per layer"
+            + (" and other splits" if budget and not refined else "")
+            + " and keeps what its select windows favour (its layer_variant says what). energy_curve and "
+            "rank_for_energy: the spectrum, in-sample")
+    if not audited:
+        return text + "; energy_retained and rope figures: in-sample (statistics given directly, no audit windows)"
+    text += (" (fit windows); energy_retained and rope figures: measured on the audit windows, as convert reports "
+             "them for this variant")
+    if refined:
+        text += ("; refinement: convert's own steps per layer (the variant it keeps, then refined), the closed form "
+                 "and the refined layer measured on the audit windows")
+    return text
 
 
 def _audited_energy(analysis: LayerAnalysis, src: SourceAttention, metric: torch.Tensor, audit: torch.Tensor,
@@ -224,10 +246,15 @@ def _unrotation_loss(src: SourceAttention, shape: AttentionShape, options: Layer
 
 
 def _layer_entry(i: int, analysis: LayerAnalysis, loss: rope.UnrotationLoss, ranks: list[int],
-                 targets: tuple[float, ...], full: int, energy: list[float] | None = None) -> LayerSpectrum:
+                 targets: tuple[float, ...], full: int, energy: list[float] | None = None,
+                 kept: RotaryFigures | None = None) -> LayerSpectrum:
     """One layer's row of the report; the spectrum is cut at the full rank (what lies beyond is zero).
-    ``energy``: energy_retained per rank when measured apart from the spectrum (on audit windows)."""
+    ``energy``: energy_retained per rank, ``kept``: the rotary figures, when measured apart from the construction
+    (on audit windows)."""
     spectrum, choice = analysis.spectrum, analysis.choice
+    if kept is None:  # the construction's own, in the statistics it was built with
+        kept = RotaryFigures(analysis.rope_energy_kept, choice.energy_kept_per_frequency, choice.loss_weighted_kept,
+                             loss)
     singular = spectrum.values[:full].sqrt()
     top = singular[0].item()
     curve = spectrum.energy_curve()[:full]
@@ -237,13 +264,13 @@ def _layer_entry(i: int, analysis: LayerAnalysis, loss: rope.UnrotationLoss, ran
         energy_retained=energy if energy is not None else [spectrum.energy(r) for r in ranks],
         rank_for_energy=needed,
         rank_fraction_for_energy=[r / full for r in needed],
-        rope_energy_kept=analysis.rope_energy_kept,
-        rope_energy_kept_per_frequency=choice.energy_kept_per_frequency,
-        rope_loss_weighted_kept=choice.loss_weighted_kept,
-        rope_score_loss=loss.compensated,
-        rope_score_loss_per_frequency=loss.compensated_per_frequency,
-        rope_score_loss_without_mean_rotation=loss.uncompensated,
-        rope_mean_rotation_recovers=loss.recovered,
+        rope_energy_kept=kept.energy_kept,
+        rope_energy_kept_per_frequency=kept.energy_kept_per_frequency,
+        rope_loss_weighted_kept=kept.loss_weighted_kept,
+        rope_score_loss=kept.score.compensated,
+        rope_score_loss_per_frequency=kept.score.compensated_per_frequency,
+        rope_score_loss_without_mean_rotation=kept.score.uncompensated,
+        rope_mean_rotation_recovers=kept.score.recovered,
         rope_frequencies=choice.frequencies.tolist(),
         singular_values=singular.tolist(),
         normalised_spectrum=(singular / top if top > 0 else torch.zeros_like(singular)).tolist(),

@@ -16,6 +16,7 @@ from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_j
 from mlaconv.errors import MlaconvError
 from mlaconv.options import cli_parameters, given_options, with_options
 from mlaconv.report import SpectraReport
+from mlaconv.report.spectra import SpectraRefinement
 
 
 @inspect_app.command("spectra")
@@ -26,6 +27,8 @@ def spectra(
     energy: str = typer.Option("0.9,0.95,0.99", "--energy", help="Comma-separated energy targets in (0, 1]: the rank each one needs is reported."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the spectra and energy curves (needs the 'plot' extra)."),
     csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write one CSV row per layer."),
+    refine: bool = typer.Option(False, "--refine", help="With --calib and --kv-keep: also run convert's per-layer steps (its split, the variant it keeps, its refinement) and report, per layer, the closed form and the refined layer on the audit windows."),
+    refine_steps: Optional[int] = typer.Option(None, "--refine-steps", help="With --refine: gradient steps per layer, as convert --refine-steps (default: convert's plan)."),
     json_out: bool = JSON_OPTION,
     quiet: bool = QUIET_OPTION,
     debug: bool = DEBUG_OPTION,
@@ -41,6 +44,8 @@ def spectra(
     energy_retained is measured on the audit windows as convert measures
     it, the spectrum is in-sample; "shows" says which. Weights are read one
     layer at a time. --kv-keep adds its recommended rank to the ranks.
+    --refine runs convert's own per-layer steps and shows what refinement
+    recovers: attention error and rotary figures, closed form vs refined.
 
     --json prints the report; its keys are listed in docs/report.md
     ("spectra"): "per rank" lists follow ranks, "per target" lists follow
@@ -58,7 +63,8 @@ def spectra(
             check_output_file(csv_out, ".csv", "--csv")
         options = SpectraOptions(
             ranks=_parse_list(ranks, int, "--ranks") if ranks is not None else None,
-            energy_targets=tuple(_parse_list(energy, float, "--energy")), **given_options(settings))
+            energy_targets=tuple(_parse_list(energy, float, "--energy")), refine=refine, refine_steps=refine_steps,
+            **given_options(settings))
         with progress(quiet) as track:
             report = run_spectra(src, options, progress=track)
         console = report_console(json_out)
@@ -89,6 +95,7 @@ def render_report(report: SpectraReport, console) -> None:
                   f"{report.num_layers} layers, {report.mode}): R = {report.qk_rope_head_dim} rope dims "
                   f"(stride {report.rope_stride}); latent matrix {report.matrix_rows}×{report.hidden_size}, "
                   f"full rank {full}")
+    line(console, f"shows: {escape(report.shows)}")
     table = Table(title="energy retained at rank r, rank needed per energy target, RoPE energy kept",
                   box=box.SIMPLE_HEAD, padding=0, show_edge=False)
     for column in ["layer", *(f"r={r}" for r in report.ranks),
@@ -112,6 +119,12 @@ def render_report(report: SpectraReport, console) -> None:
                   f"query-weighted rotary key energy ({summary.rope_score_loss_without_mean_rotation_mean:.4f} "
                   "without the mean-rotation stand-in)")
     line(console, f"share of the {full} singular values that carries the energy (over layers): {shares}")
+    where = ", measured on the audit windows" if report.window_sets is not None else ""
+    line(console, f"rotary figures per layer{where} (score loss: a share of the query-weighted rotary scores; "
+                  "pairs kept: those a rope slot turns at)")
+    console.print(_rotary_table(report))
+    if report.refinement is not None:
+        _render_refinement(report.refinement, console)
     advice = report.recommendation
     if advice is not None:
         line(console, f"--kv-keep {advice.kv_keep:g}: r = {advice.kv_lora_rank}, R = {advice.qk_rope_head_dim} "
@@ -125,3 +138,42 @@ def _span(fractions: list[float]) -> str:
     """min–max of fractions, as percentages."""
     low, high = f"{min(fractions):.0%}", f"{max(fractions):.0%}"
     return low if low == high else f"{low[:-1]}–{high}"
+
+
+def _rotary_table(report: SpectraReport) -> Table:
+    """Per layer: the rotary figures, and where the score loss lies among the pairs (kept in a slot or dropped)."""
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)
+    for column in ("layer", "key energy kept", "cost-weighted", "score loss", "without μ", "μ recovers",
+                   "at pairs kept", "at pairs dropped", "worst pair"):
+        table.add_column(column, justify="right", overflow="fold")
+    for layer in report.layers:
+        losses, kept = layer.rope_score_loss_per_frequency, set(layer.rope_frequencies)
+        worst = max(range(len(losses)), key=losses.__getitem__)
+        at_kept = sum(loss for j, loss in enumerate(losses) if j in kept)
+        table.add_row(str(layer.layer), f"{layer.rope_energy_kept:.4f}", f"{layer.rope_loss_weighted_kept:.4f}",
+                      f"{layer.rope_score_loss:.4f}", f"{layer.rope_score_loss_without_mean_rotation:.4f}",
+                      f"{layer.rope_mean_rotation_recovers:.4f}", f"{at_kept:.4f}",
+                      f"{layer.rope_score_loss - at_kept:.4f}", f"{worst}: {losses[worst]:.4f}")
+    return table
+
+
+def _render_refinement(refinement: SpectraRefinement, console) -> None:
+    """Closed form → refined per layer, on the audit windows (— where the refinement was not kept)."""
+    line(console, f"refinement per layer at r = {refinement.kv_lora_rank}, R = {refinement.qk_rope_head_dim}, "
+                  "measured on the audit windows: closed form, then refined (— where not kept)")
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)
+    for column in ("layer", "attention error", "refined", "score loss", "refined", "key energy kept", "refined",
+                   "variant"):
+        table.add_column(column, justify="left" if column == "variant" else "right", overflow="fold")
+    for layer in refinement.layers:
+        closed, refined = layer.closed_form, layer.refined
+        cells = []
+        for name in ("attention_error", "rope_score_loss", "rope_energy_kept"):
+            cells += [f"{getattr(closed, name):.4f}", f"{getattr(refined, name):.4f}" if refined else "—"]
+        table.add_row(str(layer.layer), *cells, escape(layer.selection.kept))
+    console.print(table)
+    search = refinement.shape_search
+    if search is not None and search.chosen:
+        line(console, f"split: {escape(search.chosen)}")
+    line(console, f"refinement: {escape(refinement.refinement)} ({refinement.refine_steps} steps of "
+                  f"{refinement.refine_batch} windows a layer)")

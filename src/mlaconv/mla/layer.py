@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from mlaconv.mla.latent_norm import DEFAULT_DELTA
+from mlaconv.mla.rope import UnrotationLoss
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ class LayerReport:
     attention_error: float | None = None  # measured on calibration windows: ‖MLA − source‖²/‖source‖²
     variant: str = "weights-only"  # which conversion variant this layer kept
     objective_retained: float | None = None  # 1 − the relative error in the variant's own latent weighting
+    rope_score: UnrotationLoss | None = None  # calibrated: the rotary score error (``shared_key.rotary_figures``),
+    # measured on the audit windows like the rope_* figures above then are
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,18 @@ the NoPE query sees the mean rotation μ in its place.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from mlaconv.mla import metric as metric_math
 from mlaconv.mla import rope
 from mlaconv.mla.layer import AttentionShape, LayerOptions, LayerStats
+
+if TYPE_CHECKING:
+    from mlaconv.mla.attention import LatentAttention
 
 
 def layer_frequencies(shape: AttentionShape, options: LayerOptions, rotated: bool = True) -> torch.Tensor:
@@ -107,3 +112,99 @@ def nope_query(q: torch.Tensor, shape: AttentionShape, stats: LayerStats) -> tor
     (which lost their rotation) see the mean rotation instead of none."""
     zq = rope.complex_pairs(q, shape.heads)  # [F, N, H]
     return rope.real_rows(stats.rotation_mean.T.conj()[:, :, None] * zq)
+
+
+# --- what a converted layer's rotated part keeps, for any weights (docs/report.md, "Rotary figures") ---------------
+
+
+@dataclass(frozen=True)
+class RotatedSlots:
+    """A layer's rotated part as complex pairs, in the source's score units: slot i turns at source pair
+    ``frequencies[i]``, and head h scores Re((q̂_h,i·x_m)·conj(κ_i·x_n)·e^{iΔω}) there, as the source's pair scores
+    Re((z_q·x_m)·conj(z_k·x_n)·e^{iΔω})."""
+
+    frequencies: torch.Tensor  # [R/2] source pair index per slot
+    query: torch.Tensor  # q̂ [R/2, N, H] complex
+    key: torch.Tensor  # κ [R/2, H] complex
+
+
+def closed_form_slots(q: torch.Tensor, mix: rope.HeadMix, choice: rope.RopeChoice, shared: torch.Tensor,
+                      shape: AttentionShape) -> RotatedSlots:
+    """The closed form's rotated part before it is assembled: κ, and each head's query share conj(a_g)·z_q."""
+    kept, group_of_head = choice.frequencies, torch.arange(shape.heads) // shape.group
+    zq = rope.complex_pairs(q, shape.heads)[kept]  # [R/2, N, H]
+    return RotatedSlots(kept, mix.a[kept][:, group_of_head].conj()[:, :, None] * zq, shared)
+
+
+def latent_slots(latent: "LatentAttention", shape: AttentionShape, rope_dim: int,
+                 frequencies: torch.Tensor) -> RotatedSlots:
+    """The rotated part of a compact layer (closed form or refined): its interleaved q_rope [N·R, H] and k_rope
+    [R, H] rows as complex slots, the query without the √((d+R)/d) its rows carry for the softmax scale."""
+    N, d, R = shape.heads, shape.head_dim, rope_dim
+
+    def pairs(rows: torch.Tensor) -> torch.Tensor:  # [..., R, H] interleaved → [..., R/2, H] complex
+        rows = rows.reshape(*rows.shape[:-2], R // 2, 2, rows.shape[-1]).to(torch.float64)
+        return torch.complex(rows[..., 0, :], rows[..., 1, :])
+
+    query = pairs(latent.q_rope.reshape(N, R, -1)).transpose(0, 1) * math.sqrt(d / (d + R))
+    return RotatedSlots(frequencies, query, pairs(latent.k_rope))
+
+
+@dataclass(frozen=True)
+class RotaryFigures:
+    """What a layer's rotated part keeps of the source's rotating pairs (F_rot of them), in one metric and profile."""
+
+    energy_kept: float  # share of the source's key energy the shared key carries (best multiple per head and pair)
+    energy_kept_per_frequency: list[float]  # [F_rot] the same per pair, its heads weighted by the unrotation cost
+    loss_weighted_kept: float  # over all pairs, so weighted
+    score: rope.UnrotationLoss  # the rotated part's score error, with and without the mean-rotation stand-in
+
+
+def inner(a: torch.Tensor, b: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
+    """E[(a·x)·conj(b·x)] for complex rows a, b [..., H] (broadcast) → [...]."""
+    return (metric_math.times(a, metric) * b.conj()).sum(-1)
+
+
+def rotary_figures(q: torch.Tensor, k: torch.Tensor, shape: AttentionShape, pairs: int, slots: RotatedSlots,
+                   metric: torch.Tensor, mean: torch.Tensor, rotated: bool = True) -> RotaryFigures:
+    """The ``RotaryFigures`` of a layer's rotated part ``slots`` against the source rows q [N·d, H] and k [n_kv·d, H],
+    with x of second moment ``metric`` (query and key inputs independent) and attention profile μ [N, d/2].
+
+    Per pair j, query head h and its KV head g, the score error is c = (z_q·x_m)·conj(z_k·x_n) − (q̂·x_m)·conj(κ·x_n)
+    (all of the source's score where no slot turns at j): E|c|² is the rotated part's error before anything stands
+    in for it; E|c|²·(1 − |μ|²) remains when the NoPE part adds the best position-free term c·μ, E|c|²·(2 − 2·Re μ)
+    when it adds c as if Δ were 0. Both are fractions of Σ E|z_q|²·E|z_k|². For the closed form in its own
+    statistics every figure is the one its construction reports (``decompose_keys``, ``rope.unrotation_loss``).
+    """
+    if not rotated:  # nothing turns: nothing to keep, nothing lost
+        return RotaryFigures(1.0, [1.0] * pairs, 1.0, rope.UnrotationLoss([0.0] * pairs, 0.0, 0.0))
+    metric = metric.to(torch.float64)
+    group_of_head, j = torch.arange(shape.heads) // shape.group, slots.frequencies
+    zq = rope.complex_pairs(q.to(torch.float64), shape.heads)[:pairs]  # [F, N, H]
+    zk = rope.complex_pairs(k.to(torch.float64), shape.kv_heads)[:pairs]  # [F, n_kv, H]
+    kappa, q_hat = slots.key.to(torch.complex128), slots.query.to(torch.complex128)  # [R/2, H], [R/2, N, H]
+    query, key = metric_math.energy(zq, metric), metric_math.energy(zk, metric)  # [F, N], [F, n_kv]
+    kappa_energy = metric_math.energy(kappa, metric)  # [R/2]
+    along = inner(zk[j], kappa[:, None], metric)  # E[z_k·conj κ] [R/2, n_kv]
+    kept = torch.zeros_like(key)
+    kept[j] = along.abs() ** 2 / kappa_energy.clamp_min(torch.finfo(torch.float64).tiny)[:, None]
+    error = query * key[:, group_of_head]  # [F, N]
+    error[j] = (error[j] + metric_math.energy(q_hat, metric) * kappa_energy[:, None]
+                - 2 * (inner(zq[j], q_hat, metric) * along[:, group_of_head].conj()).real).clamp_min(0)
+    mu = mean[:, :pairs].T.to(torch.complex128)  # [F, N]
+    cost = (1 - mu.abs() ** 2).clamp_min(0)
+    weight = (cost * query).reshape(pairs, shape.kv_heads, shape.group).sum(-1)  # [F, n_kv]
+    per_frequency = (weight * kept).sum(-1) / (weight * key).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)
+    total = (query * key[:, group_of_head]).sum().item()
+    scale = 1 / total if total > 0 else 0.0
+    compensated = (error * cost).sum(-1) * scale
+    return RotaryFigures(
+        energy_kept=_share(kept.sum().item(), key.sum().item()),
+        energy_kept_per_frequency=per_frequency.tolist(),
+        loss_weighted_kept=_share((weight * kept).sum().item(), (weight * key).sum().item()),
+        score=rope.UnrotationLoss(compensated.tolist(), compensated.sum().item(),
+                                  (error * (2 - 2 * mu.real).clamp_min(0)).sum().item() * scale))
+
+
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else 1.0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlaconv.report.record import Record, WindowSets
+from mlaconv.report.conversion import LayerSelection, ShapeSearch
+from mlaconv.report.record import Record, WindowSets, optional
 
 
 @dataclass
@@ -52,6 +53,42 @@ class Recommendation(Record):
 
 
 @dataclass
+class LayerAudit(Record):
+    """One version of a layer, measured on the audit windows as ``convert`` measures it (docs/report.md)."""
+
+    attention_error: float
+    energy_retained: float
+    rope_energy_kept: float
+    rope_loss_weighted_kept: float
+    rope_energy_kept_per_frequency: list[float]
+    rope_score_loss: float
+    rope_score_loss_without_mean_rotation: float
+    rope_mean_rotation_recovers: float
+    rope_score_loss_per_frequency: list[float]
+
+
+@dataclass
+class LayerRefinement(Record):
+    layer: int
+    selection: LayerSelection  # the select windows' choices: variant, refinement before/after, kept
+    closed_form: LayerAudit
+    refined: LayerAudit | None  # None where the refinement did not beat the closed form on the select windows
+
+
+@dataclass
+class SpectraRefinement(Record):
+    """``--refine``: convert's per-layer steps at its split (variant choice, refinement), closed form vs refined."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    shape_search: ShapeSearch | None
+    refinement: str  # the plan, in words
+    refine_steps: int
+    refine_batch: int
+    layers: list[LayerRefinement]
+
+
+@dataclass
 class SpectraReport(Record):
     """What ``mlaconv.inspect_spectra`` returns (docs/report.md, "spectra")."""
 
@@ -77,3 +114,4 @@ class SpectraReport(Record):
     summary: SpectraSummary
     recommendation: Recommendation | None
     seconds: float
+    refinement: SpectraRefinement | None = optional()

@@ -1,0 +1,65 @@
+"""The rotary figures of a calibrated layer (``shared_key.rotary_figures``), measured on the audit windows.
+
+The closed form's construction reports what its shared key keeps in the fit windows' statistics, and a refinement
+moves q_rope and k_rope after that. Here the same figures are taken, for any version of the layer, in the audit
+windows' E[x xᵀ] and attention profile μ, which no fit or choice saw: the closed form and its refinement are
+measured alike, and ``inspect spectra`` and ``convert`` report the same figure for the same layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mlaconv.mla.attention import LatentAttention
+from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
+from mlaconv.mla.rope import kept_frequencies
+from mlaconv.mla.shared_key import RotaryFigures, RotatedSlots, latent_slots, rotary_figures, rotating_pairs
+from mlaconv.pipeline import SourceLayer
+from mlaconv.reference import attention_by_distance
+
+
+@dataclass(frozen=True)
+class RotaryAudit:
+    """One layer's source rows and audit-window statistics, to measure any version of the layer against."""
+
+    source: SourceAttention  # the layer as factored (a QK-norm layer's linear stand-in): its q and k rows
+    shape: AttentionShape
+    pairs: int  # F_rot
+    metric: torch.Tensor  # E[x xᵀ] [H, H] on the audit windows
+    rotation_mean: torch.Tensor  # μ [N, d/2] on the audit windows
+
+    def figures(self, slots: RotatedSlots) -> RotaryFigures:
+        return rotary_figures(self.source.q, self.source.k, self.shape, self.pairs, slots, self.metric,
+                              self.rotation_mean, self.source.rotated)
+
+    def of_latent(self, latent: LatentAttention, rope_dim: int, stride: int) -> RotaryFigures:
+        """The figures of a compact layer whose R/2 slots turn at source pairs 0, s, 2s, …"""
+        return self.figures(latent_slots(latent, self.shape, rope_dim, kept_frequencies(rope_dim, stride)))
+
+
+def rotary_audit(layer: SourceLayer, shape: AttentionShape, options: LayerOptions) -> RotaryAudit:
+    """Layer ``layer.index``'s ``RotaryAudit`` (after its statistics: the audit inputs are the held ones)."""
+    return RotaryAudit(layer.linear, shape, rotating_pairs(shape, options), layer.audit_metric(),
+                       audit_rotation_mean(layer))
+
+
+def audit_rotation_mean(layer: SourceLayer) -> torch.Tensor:
+    """μ[h, j] = E[e^{-iΔω_j}] over head h's attention on the audit windows → [N, d/2] complex128, as
+    ``SourceStreamer.stats`` measures it on the fit windows (the source's own attention, QK-norm included)."""
+    streamer, attention = layer.streamer, layer.attention
+    inputs, _ = streamer._held_pairs(layer.index, attention, "audit")  # the audit inputs every audit figure uses
+    weights = attention.cast(streamer.device, torch.float32)
+    angles = streamer.rotated_angles if attention.rotated else streamer.still
+    windows, S = inputs.shape[0], inputs.shape[1]
+    by_distance = torch.zeros(streamer.heads.heads, S, dtype=torch.float64)
+    with torch.no_grad():
+        for start in range(0, windows, streamer.options.batch_size):
+            batch = inputs[start:start + streamer.options.batch_size]
+            by_distance += attention_by_distance(batch, weights, streamer.heads, angles).double().cpu()
+    freqs = streamer.freqs if attention.rotated else torch.zeros_like(streamer.freqs)
+    phases = torch.exp(-1j * torch.arange(S, dtype=torch.float64)[:, None] * freqs[None, :])  # [S, d/2]
+    mean = (by_distance.to(torch.complex128) @ phases) / max(1, windows * S)
+    mean[:, freqs == 0] = 1  # a pair that never turns keeps its whole alignment
+    return mean

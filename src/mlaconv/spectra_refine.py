@@ -1,0 +1,67 @@
+"""``inspect spectra --refine``: convert's calibrated steps, layer by layer, without writing anything.
+
+The same preparation as ``conversion.convert`` (the (r, R) split search for --kv-keep, the refinement plan) and the
+same ``calibrated.calibrate_layer`` on every layer: the variant kept on the select windows, its refinement, and both
+measured on the audit windows. What it adds to the spectra is what refinement recovers, per layer: the attention
+error and the rotary figures of the closed form and of the refined layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlaconv.calibrated import (RefinementPlan, calibrate_layer, calibration_streamer, calibration_tokens,
+                                refinement_plan, search_shapes)
+from mlaconv.calibrate import SourceStreamer
+from mlaconv.errors import MlaconvError
+from mlaconv.mla.layer import LayerReport
+from mlaconv.options import ConvertOptions
+from mlaconv.pipeline import SourceLayer
+from mlaconv.plan import Plan
+from mlaconv.progress import Progress, no_progress
+from mlaconv.report.conversion import ShapeSearch
+from mlaconv.report.spectra import LayerAudit, LayerRefinement, SpectraRefinement
+from mlaconv.rotary_audit import RotaryAudit
+
+
+@dataclass
+class RefinementPass:
+    streamer: SourceStreamer
+    refinement: RefinementPlan
+    search: bool  # convert's per-layer variant search
+    shape_search: ShapeSearch | None
+    layers: list[LayerRefinement] = field(default_factory=list)
+
+    def add(self, source: SourceLayer, plan: Plan, rotary: RotaryAudit) -> None:
+        """Layer ``source.index`` through ``calibrate_layer``, as convert runs it."""
+        record = calibrate_layer(source, plan, self.search, self.refinement, rotary).record
+        self.layers.append(LayerRefinement(source.index, record.selection, layer_audit(record.closed),
+                                           layer_audit(record.refined) if record.refined is not None else None))
+
+    def report(self, plan: Plan) -> SpectraRefinement:
+        return SpectraRefinement(plan.shapes.rank, plan.shapes.rope_dim, self.shape_search, self.refinement.note,
+                                 self.refinement.steps, self.refinement.batch, self.layers)
+
+
+def start_refinement(plan: Plan, settings: ConvertOptions,
+                     progress: Progress = no_progress) -> tuple[Plan, RefinementPass]:
+    """Convert's preparation: the calibration windows, the split search (--kv-keep without --rope-dim), the
+    streamer and the refinement plan → the plan at convert's split, and the pass to feed each layer to."""
+    if settings.kv_keep is None:
+        raise MlaconvError("--refine converts each layer at the split convert chooses for a budget: give --kv-keep")
+    tokens = calibration_tokens(plan, settings)
+    if tokens is None:
+        raise MlaconvError("--refine measures on calibration windows: give --calib or --calib-dataset")
+    shape_search = None
+    if settings.rope_dim is None:
+        plan, shape_search = search_shapes(plan, settings, tokens, progress)
+    streamer = calibration_streamer(plan, settings, tokens)
+    return plan, RefinementPass(streamer, refinement_plan(plan, settings, streamer), settings.layer_search,
+                                shape_search)
+
+
+def layer_audit(report: LayerReport) -> LayerAudit:
+    score = report.rope_score
+    return LayerAudit(report.attention_error, report.energy_retained, report.rope_energy_kept,
+                      report.rope_loss_weighted_kept, report.rope_energy_kept_per_frequency, score.compensated,
+                      score.uncompensated, score.recovered, score.compensated_per_frequency)

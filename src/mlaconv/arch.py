@@ -17,6 +17,7 @@ from mlaconv.errors import MlaconvError
 from mlaconv.models import DTYPES
 from mlaconv.families import EMBED, FINAL_NORM, LM_HEAD, BiasRule, Family, Granite, Phi3, SmolLM3, layer_name
 from mlaconv.mla import rope
+from mlaconv.mla.layer import AttentionShape
 
 FAMILIES: tuple[Family, ...] = (
     Family("Llama", ("llama",), qkv_bias="config", o_bias="config"),
@@ -127,8 +128,12 @@ class SourceSpec:
     rope_attention_factor: float = 1.0  # LongRoPE's scale on cos and sin (folded into the query)
 
     @property
+    def attention_shape(self) -> AttentionShape:
+        return AttentionShape(self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim)
+
+    @property
     def kv_elements_per_token_per_layer(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim
+        return self.attention_shape.cache_elements
 
     def rope_frequencies(self, length: int | None = None) -> torch.Tensor:
         """ω of the rotating pairs [d_rot/2] in a rotated layer (LongRoPE: for sequences of ``length``)."""

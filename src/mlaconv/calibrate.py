@@ -26,7 +26,7 @@ from mlaconv.families import EMBED, FINAL_NORM, LM_HEAD, SourceWeights
 from mlaconv.io import CheckpointReader
 from mlaconv.progress import Progress, no_progress
 from mlaconv.mla import qk_norm
-from mlaconv.mla.layer import AttentionShape, LayerStats, MLAAttention, SourceAttention
+from mlaconv.mla.layer import LayerStats, MLAAttention, SourceAttention
 from mlaconv.mla.refine import NormalizedWindows
 from mlaconv.mla.rope import pair_frequencies
 from mlaconv.reference import (attention_by_distance, mla_attention, mlp_block, query_key, rms_norm,
@@ -63,7 +63,7 @@ class SourceStreamer:
     def __init__(self, reader: CheckpointReader, spec: SourceSpec, options: CalibrationOptions):
         self.reader, self.spec, self.options = reader, spec, options
         self.device = torch.device(options.device)
-        self.heads = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        self.heads = spec.attention_shape
         self.split = options.split or split_windows(options.tokens.shape[0])
         self.weights = SourceWeights(reader, spec)  # the family's tensors in Llama's canonical layout
         embed = self.weights.tensor(None, EMBED)

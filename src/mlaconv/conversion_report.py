@@ -15,13 +15,13 @@ from mlaconv.engines import BIASES
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 from mlaconv.mla.layer import LayerReport
 from mlaconv.options import ConvertOptions
-from mlaconv.plan import Shapes, kv_cache_figures
+from mlaconv.plan import ShapeChoice, kv_cache_figures
 from mlaconv.report import ConversionReport
 from mlaconv.report.conversion import EnergyFigures, KVFigures, LatentNorm, SourceShape, TargetReport
 from mlaconv.serving import serving_notes
 
 
-def conversion_report(spec: SourceSpec, shapes: Shapes, config: dict, reports: list[LayerReport], out: Path,
+def conversion_report(spec: SourceSpec, shapes: ShapeChoice, config: dict, reports: list[LayerReport], out: Path,
                       source_id: str | None, source: Path, dtype: torch.dtype, residual_scale: float,
                       options: ConvertOptions, copied: list[str], target: TargetReport) -> ConversionReport:
     """The report's top-level figures of the written layers (``reports``); the optional sections come after."""
@@ -53,7 +53,7 @@ def conversion_report(spec: SourceSpec, shapes: Shapes, config: dict, reports: l
         rope_stride=reports[0].rope_stride,
         kv_elements_per_token_per_layer=KVFigures(**kv["elements_per_token_per_layer"]),
         kv_bytes_per_token=KVFigures(**kv["bytes_per_token"]),
-        kv_keep=(shapes.rank + shapes.rope_dim) / spec.kv_elements_per_token_per_layer,
+        kv_keep=shapes.cache_elements / spec.kv_elements_per_token_per_layer,
         energy_retained=EnergyFigures(energy, _mean(energy)),
         rope_energy_kept=rope_kept,
         rope_energy_kept_mean=_mean(rope_kept),

@@ -14,7 +14,7 @@ import torch
 
 from mlaconv.arch import SourceSpec
 from mlaconv.io import CheckpointReader
-from mlaconv.mla.layer import MLAAttention
+from mlaconv.mla.layer import MLAAttention, mla_cache_elements
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 
 ATTENTION = "self_attn."
@@ -135,8 +135,7 @@ class MLAShape:
 
     @property
     def cache_elements(self) -> int:
-        """Cached values per token and layer: the latent plus the shared rope key."""
-        return self.rank + self.rope_dim
+        return mla_cache_elements(self.rank, self.rope_dim)
 
     @property
     def softmax_scale(self) -> float:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from mlaconv.errors import MlaconvError
+from mlaconv.mla.layer import gqa_cache_elements, mla_cache_elements
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype choices
 
@@ -95,11 +96,10 @@ def available_memory_bytes() -> int:
 def kv_cache_elements(config: dict) -> int:
     """KV-cache elements per token and layer a config implies (MLA: r + R; MHA/GQA: 2·n_kv·d)."""
     if config.get("kv_lora_rank"):
-        return int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim", 0))
+        return mla_cache_elements(int(config["kv_lora_rank"]), int(config.get("qk_rope_head_dim", 0)))
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    return 2 * kv_heads * head_dim
+    return gqa_cache_elements(kv_heads, int(config.get("head_dim") or int(config["hidden_size"]) // heads))
 
 
 def kv_cache_bytes_per_token(folder: str | Path, dtype: torch.dtype) -> int:

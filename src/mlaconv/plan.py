@@ -17,7 +17,7 @@ from mlaconv.io.text import TokenSource
 from mlaconv.io import CheckpointReader, read_config, resolve_source
 from mlaconv.mla import rope
 from mlaconv.mla.attention import full_rank
-from mlaconv.mla.layer import AttentionShape, LayerOptions
+from mlaconv.mla.layer import AttentionShape, LayerOptions, mla_cache_elements
 from mlaconv.mla.shared_key import key_energies
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 from mlaconv.models import DTYPES, check_device
@@ -30,16 +30,24 @@ DEFAULT_ROPE_DIM = 64
 
 
 @dataclass(frozen=True)
-class Shapes:
-    """The chosen MLA shapes and why."""
+class ShapeChoice:
+    """The (r, R) a conversion plans, and why; the written checkpoint's whole attention shape is a
+    ``deepseek.MLAShape``."""
 
-    rank: int
-    rope_dim: int
+    rank: int  # r
+    rope_dim: int  # R
     reason: str
+
+    @property
+    def cache_elements(self) -> int:
+        return mla_cache_elements(self.rank, self.rope_dim)
+
+
+Shapes = ShapeChoice  # the old name, until calibrated.py and bench/baselines.py move to ShapeChoice
 
 
 def plan_shapes(spec: SourceSpec, rank: int | None, kv_keep: float | None, rope_dim: int | None,
-                chosen: Target | None = None) -> Shapes:
+                chosen: Target | None = None) -> ShapeChoice:
     """Validate --rank / --kv-keep / --rope-dim against the source and pick (r, R); for a serving target ``chosen``
     the --kv-keep budget becomes the largest MLA shape its engines run within it (``targets.served_budget``)."""
     d, rotary = spec.head_dim, spec.rotary_dim
@@ -69,7 +77,7 @@ def plan_shapes(spec: SourceSpec, rank: int | None, kv_keep: float | None, rope_
             reason += f" (capped at the full rank {r}; the cache is smaller than the budget)"
         if budget != whole:
             reason += f" (held to {budget} of a budget of {whole}: the largest r + R vLLM runs)"
-        return Shapes(rank=r, rope_dim=R, reason=reason)
+        return ShapeChoice(rank=r, rope_dim=R, reason=reason)
     R = rope_dim if rope_dim is not None else min(DEFAULT_ROPE_DIM, rotary)
     assert rank is not None
     if rank < 1:
@@ -82,7 +90,7 @@ def plan_shapes(spec: SourceSpec, rank: int | None, kv_keep: float | None, rope_
         )
     if chosen is not None:
         check_head_size(chosen, rank, R)
-    return Shapes(rank=rank, rope_dim=R, reason="rank given")
+    return ShapeChoice(rank=rank, rope_dim=R, reason="rank given")
 
 
 def _rope_for(spec: SourceSpec, rope_dim: int | None, budget: int) -> int:
@@ -103,11 +111,10 @@ def kv_budget(spec: SourceSpec, kv_keep: float, rope_dim: int | None, chosen: Ta
 def model_full_rank(spec: SourceSpec, rope_dim: int) -> int:
     """The largest useful latent rank over the layers: a layer without RoPE keeps its whole key in the latent,
     so its full rank does not lose the R rope dims (the rotated layers' latents are then zero-padded)."""
-    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    return full_rank(shape, rope_dim if all(spec.rope_layers) else 0)
+    return full_rank(spec.attention_shape, rope_dim if all(spec.rope_layers) else 0)
 
 
-def shape_candidates(spec: SourceSpec, kv_keep: float, chosen: Target | None = None) -> list[Shapes]:
+def shape_candidates(spec: SourceSpec, kv_keep: float, chosen: Target | None = None) -> list[ShapeChoice]:
     """The (r, R) splits of a --kv-keep budget that calibration compares.
 
     R ∈ {8, 16, 32, 64, 128} up to head_dim and half the budget; r fills the rest, rounded down to a
@@ -125,7 +132,7 @@ def shape_candidates(spec: SourceSpec, kv_keep: float, chosen: Target | None = N
             if exact and r > model_full_rank(spec, R):
                 continue
             r = min(r - r % 16 if r >= 64 and not exact else r, model_full_rank(spec, R))
-            candidates[R] = Shapes(rank=r, rope_dim=R, reason="")
+            candidates[R] = ShapeChoice(rank=r, rope_dim=R, reason="")
     return [candidates[R] for R in sorted(candidates)]
 
 
@@ -168,7 +175,7 @@ def residual_scale(spec: SourceSpec) -> float:
     return math.sqrt(LATENT_NORM_EPS / spec.rms_norm_eps)
 
 
-def layer_options(spec: SourceSpec, shapes: Shapes, options: ConvertOptions) -> LayerOptions:
+def layer_options(spec: SourceSpec, shapes: ShapeChoice, options: ConvertOptions) -> LayerOptions:
     return LayerOptions(
         rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling,
         rope_stride=options.rope_stride, rotary_dim=spec.rotary_dim, context=min(spec.max_position_embeddings, 4096),
@@ -183,13 +190,12 @@ class Plan:
     folder: Path
     spec: SourceSpec
     reader: CheckpointReader
-    shapes: Shapes
+    shapes: ShapeChoice
     layer: LayerOptions
 
     @property
     def shape(self) -> AttentionShape:
-        s = self.spec
-        return AttentionShape(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim)
+        return self.spec.attention_shape
 
 
 def plan_conversion(source: str, options: ConvertOptions) -> Plan:
@@ -228,7 +234,7 @@ def describe_model(spec: SourceSpec) -> str:
             f"{spec.num_heads} heads, {spec.num_kv_heads} KV heads × {spec.head_dim})")
 
 
-def check_recipe(recipe: Recipe, spec: SourceSpec) -> Shapes:
+def check_recipe(recipe: Recipe, spec: SourceSpec) -> ShapeChoice:
     """Refuse a recipe whose shapes do not fit ``spec`` or whose ``kv_cache`` block is wrong; return the shapes.
 
     The shapes are planned by ``plan_shapes``, the code the conversion runs.
@@ -254,10 +260,10 @@ def check_recipe(recipe: Recipe, spec: SourceSpec) -> Shapes:
     return shapes
 
 
-def kv_cache_figures(spec: SourceSpec, shapes: Shapes, dtype: torch.dtype) -> dict:
+def kv_cache_figures(spec: SourceSpec, shapes: ShapeChoice, dtype: torch.dtype) -> dict:
     """The ``kv_cache`` block a recipe should carry: per token per layer, and bytes per token over all layers."""
     element = torch.empty((), dtype=dtype).element_size()
-    source, converted = spec.kv_elements_per_token_per_layer, shapes.rank + shapes.rope_dim
+    source, converted = spec.kv_elements_per_token_per_layer, shapes.cache_elements
     return {
         "elements_per_token_per_layer": {"source": source, "converted": converted},
         "bytes_per_token": {"source": source * spec.num_layers * element,
@@ -265,7 +271,7 @@ def kv_cache_figures(spec: SourceSpec, shapes: Shapes, dtype: torch.dtype) -> di
     }
 
 
-def estimate_output_bytes(spec: SourceSpec, shapes: Shapes, dtype: torch.dtype, absorbed: bool = False) -> int:
+def estimate_output_bytes(spec: SourceSpec, shapes: ShapeChoice, dtype: torch.dtype, absorbed: bool = False) -> int:
     H, N, d, R, r, L = (spec.hidden_size, spec.num_heads, spec.head_dim, shapes.rope_dim, shapes.rank,
                         spec.num_layers)
     attention = N * (d + R) * H + (r + R) * H + r + N * 2 * d * r + H * N * d
@@ -276,7 +282,7 @@ def estimate_output_bytes(spec: SourceSpec, shapes: Shapes, dtype: torch.dtype, 
     return total * torch.empty((), dtype=dtype).element_size()
 
 
-def output_config(spec: SourceSpec, shapes: Shapes, stride: int, target_name: str, attention_bias: bool,
+def output_config(spec: SourceSpec, shapes: ShapeChoice, stride: int, target_name: str, attention_bias: bool,
                   dtype: torch.dtype) -> tuple[dict, dict | None]:
     """The output's config.json for ``target_name``, and the rope rewrite that target made, if any."""
     kept = rope.kept_frequencies(shapes.rope_dim, stride)

@@ -31,7 +31,7 @@ from mlaconv import __version__
 from mlaconv.calibrated import calibrated_layer_options, calibration_streamer, window_sets
 from mlaconv.options import ConvertOptions, flags, shared
 from mlaconv.pipeline import source_layers
-from mlaconv.plan import Shapes, factor_precision, model_full_rank, output_dtype, plan_conversion, with_rope_stride
+from mlaconv.plan import ShapeChoice, factor_precision, model_full_rank, output_dtype, plan_conversion, with_rope_stride
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import latent as latent_math
 from mlaconv.mla import metric as metric_math
@@ -163,7 +163,7 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
         kv_elements_per_token_per_layer=spec.kv_elements_per_token_per_layer,
         qk_rope_head_dim=shapes.rope_dim,
         rope_stride=lopts.rope_stride,
-        matrix_rows=2 * spec.num_kv_heads * spec.head_dim,
+        matrix_rows=spec.kv_elements_per_token_per_layer,  # [K; V] has a row per cached value
         full_rank=full,
         ranks=ranks,
         energy_targets=list(options.energy_targets),
@@ -184,7 +184,7 @@ def _check_targets(targets: tuple[float, ...]) -> None:
             raise MlaconvError(f"--energy targets must be in (0, 1], got {t}")
 
 
-def _ranks(requested: list[int] | None, full: int, recommended: Shapes | None) -> list[int]:
+def _ranks(requested: list[int] | None, full: int, recommended: ShapeChoice | None) -> list[int]:
     if requested is not None:
         if not requested:
             raise MlaconvError("--ranks needs at least one rank")
@@ -300,7 +300,7 @@ def _summary(layers: list[LayerSpectrum]) -> SpectraSummary:
     )
 
 
-def _recommendation(shapes: Shapes | None, kv_keep: float | None, source_elements: int, ranks: list[int],
+def _recommendation(shapes: ShapeChoice | None, kv_keep: float | None, source_elements: int, ranks: list[int],
                     layers: list[LayerSpectrum]) -> Recommendation | None:
     if shapes is None:
         return None
@@ -310,8 +310,8 @@ def _recommendation(shapes: Shapes | None, kv_keep: float | None, source_element
         kv_keep=kv_keep,
         kv_lora_rank=shapes.rank,
         qk_rope_head_dim=shapes.rope_dim,
-        kv_elements_per_token_per_layer=shapes.rank + shapes.rope_dim,
-        kv_keep_actual=(shapes.rank + shapes.rope_dim) / source_elements,
+        kv_elements_per_token_per_layer=shapes.cache_elements,
+        kv_keep_actual=shapes.cache_elements / source_elements,
         reason=shapes.reason,
         energy_retained=energy,
         energy_retained_mean=sum(energy) / len(energy),

@@ -46,8 +46,9 @@ def constant_readout(stats: LayerStats) -> torch.Tensor | None:
 
 
 def full_rank(shape: AttentionShape, rope_dim: int) -> int:
-    """The largest useful latent rank: rows of [K_nope; V] or the hidden size, whichever is smaller."""
-    return min(shape.hidden, 2 * shape.kv_heads * shape.head_dim - rope_dim)
+    """The largest useful latent rank: rows of [K_nope; V] (the source's cache less the R rope dims) or the hidden
+    size, whichever is smaller."""
+    return min(shape.hidden, shape.cache_elements - rope_dim)
 
 
 def block_norm(w: torch.Tensor, metric: torch.Tensor) -> float:

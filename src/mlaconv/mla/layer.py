@@ -13,6 +13,16 @@ from mlaconv.mla.latent_norm import DEFAULT_DELTA
 from mlaconv.mla.rope import UnrotationLoss
 
 
+def gqa_cache_elements(kv_heads: int, head_dim: int) -> int:
+    """Values an MHA/GQA layer caches per token: a key and a value of d per KV head (2·n_kv·d)."""
+    return 2 * kv_heads * head_dim
+
+
+def mla_cache_elements(rank: int, rope_dim: int) -> int:
+    """Values an MLA layer caches per token: the latent and the shared rope key (r + R)."""
+    return rank + rope_dim
+
+
 @dataclass(frozen=True)
 class AttentionShape:
     hidden: int  # H
@@ -23,6 +33,10 @@ class AttentionShape:
     @property
     def group(self) -> int:
         return self.heads // self.kv_heads
+
+    @property
+    def cache_elements(self) -> int:
+        return gqa_cache_elements(self.kv_heads, self.head_dim)
 
 
 @dataclass

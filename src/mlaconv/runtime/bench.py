@@ -43,14 +43,9 @@ DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768)
 ROPE_THETA = 10000.0
 
 
-@dataclass(frozen=True)
-class SourceShape(AttentionShape):
-    label: str = ""
-
-
-SHAPES = {
-    "llama2-7b": SourceShape(4096, 32, 32, 128, "Llama-2-7B MHA"),
-    "llama3-8b": SourceShape(4096, 32, 8, 128, "Llama-3-8B GQA"),
+SHAPES = {  # name: (label, the source layer's shape)
+    "llama2-7b": ("Llama-2-7B MHA", AttentionShape(4096, 32, 32, 128)),
+    "llama3-8b": ("Llama-3-8B GQA", AttentionShape(4096, 32, 8, 128)),
 }
 # Both convert to the FlashMLA shape: r = 512, R = 64, P = V = d = 128.
 MLA_SHAPE = MLAShape(hidden=4096, heads=32, rank=512, rope_dim=64, nope_dim=128, v_dim=128)
@@ -63,7 +58,7 @@ def _randn(*size: int, dtype: torch.dtype, device: str, generator: torch.Generat
 class SourceLayer:
     """(a) Llama attention at decode: q/k/v projections, rotate-half RoPE, full K/V cache, SDPA, o_proj."""
 
-    def __init__(self, shape: SourceShape, context: int, dtype: torch.dtype, device: str, generator: torch.Generator):
+    def __init__(self, shape: AttentionShape, context: int, dtype: torch.dtype, device: str, generator: torch.Generator):
         H, N, G, d = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
         w = H**-0.5
         self.shape = shape
@@ -271,7 +266,7 @@ def run_decode_bench(options: BenchOptions, progress: Progress = no_progress) ->
     for timer, device, dtype_name, generator, std, context in progress(settings(), "timing decode steps", total):
         dtype = DTYPES[dtype_name]
         mla = MLALayers(MLA_SHAPE, std, context, dtype, device, generator)
-        sources = {name: SourceLayer(SHAPES[name], context, dtype, device, generator) for name in options.shapes}
+        sources = {name: SourceLayer(SHAPES[name][1], context, dtype, device, generator) for name in options.shapes}
         x = _randn(1, 1, MLA_SHAPE.hidden, dtype=dtype, device=device, generator=generator)
         steps = {"absorbed": lambda: mla.absorbed_step(x), "factored": lambda: mla.factored_step(x),
                  "absorbed_core": mla.core_step}
@@ -282,18 +277,18 @@ def run_decode_bench(options: BenchOptions, progress: Progress = no_progress) ->
             steps[name + "_core"] = source.core_step
         times = timer.medians(steps)
         for name, source in sources.items():
-            rows.append(_row(name, SHAPES[name], device, dtype_name, context, source, mla, times))
+            rows.append(_row(name, SHAPES[name][0], device, dtype_name, context, source, mla, times))
         del mla, sources, steps
     return {"environment": environment(devices, options), "rows": rows}
 
 
-def _row(shape_name: str, shape: SourceShape, device: str, dtype_name: str, context: int, source: SourceLayer,
+def _row(shape_name: str, label: str, device: str, dtype_name: str, context: int, source: SourceLayer,
          mla: MLALayers, times: dict[str, float]) -> dict:
     ideal = source.cache_bytes() / mla.cache_bytes()
     speedup = times[shape_name] / times["absorbed"]
     core_speedup = times[shape_name + "_core"] / times["absorbed_core"]
     return {
-        "shape": shape_name, "label": shape.label, "device": device, "dtype": dtype_name, "context": context,
+        "shape": shape_name, "label": label, "device": device, "dtype": dtype_name, "context": context,
         "cache_bytes_read_per_token": {"source": source.cache_bytes(), "mla": mla.cache_bytes()},
         "weight_bytes": {"source": source.weight_bytes(),
                          **{variant: mla.weight_bytes(variant) for variant in ("expanded", "absorbed", "factored")}},

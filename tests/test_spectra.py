@@ -1,80 +1,28 @@
-"""``mlaconv inspect spectra``: the spectra are convert's own, exact, and come out as table, JSON, CSV and PNG."""
+"""spectra.py (``inspect spectra``): the spectra are convert's own and exact, the report has the documented keys,
+and the CSV has a row per layer."""
 
 from __future__ import annotations
 
 import csv
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
 from conftest import ROOT
-from mlaconv.cli import app
-from mlaconv.cli.inspect import spectra as spectra_command
 from mlaconv.calibrated import calibrated_layer_options
-from mlaconv.options import ConvertOptions
+from mlaconv.cli.inspect import spectra as spectra_command
 from mlaconv.conversion import convert
-from mlaconv.plan import layer_options, load_source, plan_shapes
-from mlaconv.pipeline import read_attention
 from mlaconv.errors import MlaconvError
-from mlaconv.mla import rope
 from mlaconv.mla.attention import analyse_layer, convert_attention
-from mlaconv.mla.layer import AttentionShape, LayerStats
-from mlaconv.plot import require_matplotlib, save_spectra_plot, spectra_figure
+from mlaconv.mla.layer import LayerStats
+from mlaconv.options import ConvertOptions
+from mlaconv.pipeline import read_attention
+from mlaconv.plan import layer_options, load_source, plan_shapes
 from mlaconv.spectra import SpectraOptions, default_ranks, rank_for_energy, spectra, write_csv
-
-# The documented JSON: key → type; "per rank" / "per target" lists follow ``ranks`` / ``energy_targets``.
-TOP_KEYS = {
-    "mlaconv_version": str, "source": str, "architecture": str, "mode": str, "settings": dict, "num_layers": int,
-    "hidden_size": int, "num_kv_heads": int, "head_dim": int, "kv_elements_per_token_per_layer": int,
-    "qk_rope_head_dim": int, "rope_stride": int, "matrix_rows": int, "full_rank": int, "ranks": list,
-    "energy_targets": list, "layers": list, "summary": dict, "recommendation": (dict, type(None)), "seconds": float,
-    "shows": str, "window_sets": (dict, type(None)),
-}
-LAYER_KEYS = {
-    "layer": int, "energy_retained": "rank", "rank_for_energy": "target", "rank_fraction_for_energy": "target",
-    "rope_energy_kept": float, "rope_energy_kept_per_frequency": "frequency", "rope_loss_weighted_kept": float,
-    "rope_frequencies": "slot", "singular_values": "full", "normalised_spectrum": "full", "energy_curve": "full",
-    "rope_score_loss": float, "rope_score_loss_per_frequency": "frequency", "rope_score_loss_without_mean_rotation": float,
-    "rope_mean_rotation_recovers": float,
-}
-SUMMARY_KEYS = {
-    "energy_retained_mean": "rank", "energy_retained_min": "rank", "rank_for_energy_mean": "target",
-    "rank_for_energy_max": "target", "rank_fraction_for_energy_mean": "target", "rope_energy_kept_mean": float,
-    "rope_energy_kept_min": float, "rope_score_loss_mean": float, "rope_score_loss_without_mean_rotation_mean": float,
-}
-RECOMMENDATION_KEYS = {
-    "kv_keep": float, "kv_lora_rank": int, "qk_rope_head_dim": int, "kv_elements_per_token_per_layer": int,
-    "kv_keep_actual": float, "reason": str, "energy_retained": "layer", "energy_retained_mean": float,
-}
-
-
-def check_schema(report: dict) -> None:
-    """Raise AssertionError unless ``report`` has exactly the documented keys, types and list lengths."""
-    lengths = {"rank": len(report["ranks"]), "target": len(report["energy_targets"]), "full": report["full_rank"],
-               "frequency": report["head_dim"] // 2, "slot": report["qk_rope_head_dim"] // 2,
-               "layer": report["num_layers"]}
-
-    def check(obj: dict, keys: dict, where: str) -> None:
-        assert set(obj) == set(keys), f"{where}: {sorted(set(obj) ^ set(keys))}"
-        for key, kind in keys.items():
-            if isinstance(kind, str):
-                assert isinstance(obj[key], list) and len(obj[key]) == lengths[kind], f"{where}.{key}"
-                assert all(isinstance(v, (int, float)) for v in obj[key]), f"{where}.{key}"
-            else:
-                assert isinstance(obj[key], kind), f"{where}.{key}: {type(obj[key]).__name__}"
-
-    check(report, TOP_KEYS, "report")
-    assert len(report["layers"]) == report["num_layers"]
-    for layer in report["layers"]:
-        check(layer, LAYER_KEYS, f"layers[{layer['layer']}]")
-    check(report["summary"], SUMMARY_KEYS, "summary")
-    if report["recommendation"] is not None:
-        check(report["recommendation"], RECOMMENDATION_KEYS, "recommendation")
+from spectra_schema import LAYER_KEYS, RECOMMENDATION_KEYS, SUMMARY_KEYS, TOP_KEYS, check_schema
 
 
 def run_convert(src, out, **options):
@@ -255,7 +203,7 @@ def test_calibration_hook_is_applied_as_in_convert(tiny_model):
     _, spec, reader = load_source(str(src))
     shapes = plan_shapes(spec, 12, None, 8)
     lopts = calibrated_layer_options(layer_options(spec, shapes, ConvertOptions(rope_stride=calibrated.rope_stride)))
-    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    shape = spec.attention_shape
     expected = []
     for i in range(2):
         attention = read_attention(reader, spec, i)
@@ -263,29 +211,6 @@ def test_calibration_hook_is_applied_as_in_convert(tiny_model):
     energy = [layer.energy_retained[0] for layer in calibrated.layers]
     assert energy == pytest.approx(expected, abs=1e-12, rel=0)
     assert energy != pytest.approx([layer.energy_retained[0] for layer in plain.layers], abs=1e-3)
-
-
-def test_unrotation_loss_is_the_expected_score_error_over_the_attention_profile():
-    """1 − |μ|² and 2 − 2·Re μ are E|e^{-iΔω} − c|² for c = μ and c = 1: checked by summing over an explicit
-    distribution of distances Δ, with random per-pair, per-head query, key and remainder energies."""
-    gen = torch.Generator().manual_seed(3)
-    F, N, window = 6, 3, 50
-    freqs = 10000.0 ** (-torch.arange(F, dtype=torch.float64) / F)
-    profile = torch.rand(N, window, generator=gen, dtype=torch.float64)
-    profile /= profile.sum(-1, keepdim=True)  # p_h(Δ), one per query head
-    turn = torch.exp(-1j * torch.arange(window, dtype=torch.float64)[:, None] * freqs[None, :])  # [Δ, F]
-    mean = profile.to(torch.complex128) @ turn  # μ [N, F]
-    query, key = torch.rand(F, N, generator=gen, dtype=torch.float64), torch.rand(F, N, generator=gen, dtype=torch.float64)
-    remainder = key * torch.rand(F, N, generator=gen, dtype=torch.float64)
-    loss = rope.unrotation_loss(query, key, remainder, mean)
-    total = (query * key).sum()
-    for stand_in, figure in ((mean, loss.compensated), (torch.ones_like(mean), loss.uncompensated)):
-        error = ((turn.T[None] - stand_in[:, :, None]).abs() ** 2 * profile[:, None, :]).sum(-1)  # [N, F]
-        assert figure == pytest.approx(((query * remainder * error.T).sum() / total).item(), rel=1e-12)
-    assert sum(loss.compensated_per_frequency) == pytest.approx(loss.compensated, rel=1e-12)
-    assert 0 < loss.recovered < 1
-    nothing_lost = rope.unrotation_loss(query, key, torch.zeros_like(key), mean)
-    assert (nothing_lost.compensated, nothing_lost.uncompensated, nothing_lost.recovered) == (0.0, 0.0, 1.0)
 
 
 def test_spectra_show_what_the_shared_key_drops_for_mha_and_nothing_for_mqa(tiny_model):
@@ -343,38 +268,6 @@ def test_json_has_the_documented_keys(stories_report):
         check_schema({**written, "summary": {**written["summary"], "rope_energy_kept_min": None}})
 
 
-def test_plot_draws_one_curve_per_layer_and_writes_a_png(stories_report, tmp_path):
-    figure = spectra_figure(stories_report)
-    panels = [ax for ax in figure.axes if ax.lines]
-    assert len(panels) == 2
-    for ax in panels:
-        assert [line.get_label() for line in ax.lines] == [f"layer {i}" for i in range(5)]
-        assert all(len(line.get_xdata()) == 56 for line in ax.lines)
-    path = tmp_path / "spectra.png"
-    save_spectra_plot(stories_report, path)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    from PIL import Image
-
-    with Image.open(path) as image:
-        image.verify()
-        assert image.size[0] > 800
-
-
-def test_plot_of_many_layers_uses_a_colour_bar(tiny_model):
-    report = spectra(str(tiny_model(layers=12, hidden=32, kv_heads=1, heads=2)), SpectraOptions(rope_dim=8))
-    figure = spectra_figure(report)
-    panels = [ax for ax in figure.axes if ax.lines]
-    assert [len(ax.lines) for ax in panels] == [12, 12]
-    assert all(ax.get_legend() is None for ax in panels)
-    assert any(ax.get_label() == "<colorbar>" for ax in figure.axes)
-
-
-def test_missing_matplotlib_is_one_line(monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(MlaconvError, match=r"pip install 'mlaconv\[plot\]'"):
-        require_matplotlib()
-
-
 def test_csv_has_one_row_per_layer(stories_report, tmp_path):
     path = tmp_path / "spectra.csv"
     write_csv(stories_report, path)
@@ -386,59 +279,10 @@ def test_csv_has_one_row_per_layer(stories_report, tmp_path):
     assert [float(row[column]) for row in rows[1:]] == stories_report.recommendation.energy_retained
 
 
-runner = CliRunner()
-
-
-def test_cli_json_table_csv_and_plot(stories, tmp_path):
-    result = runner.invoke(app, ["inspect", "spectra", str(stories), "--ranks", "24,8", "--kv-keep", "0.5", "--json",
-                                 "--csv", str(tmp_path / "s.csv"), "--plot", str(tmp_path / "s.png")])
-    assert result.exit_code == 0, result.stderr
-    report = json.loads(result.stdout)
-    check_schema(report)
-    assert report["ranks"] == [8, 24] and report["energy_targets"] == [0.9, 0.95, 0.99]
-    assert "r@95%" in result.stderr and "worst" in result.stderr and "--kv-keep 0.5: r = 24, R = 8" in result.stderr
-    assert (tmp_path / "s.csv").is_file() and (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_cli_without_json_prints_the_table_on_stdout(stories):
-    result = runner.invoke(app, ["inspect", "spectra", str(stories), "--energy", "0.95"])
-    assert result.exit_code == 0, result.stderr
-    assert "r=56" in result.stdout and "r@95%" in result.stdout and "full rank 56" in result.stdout
-
-
-@pytest.mark.parametrize("args, message", [
-    (["{missing}"], "no such folder"),
-    (["{unsupported}"], "cannot convert model_type 'gpt2'"),
-    (["{stories}", "--ranks", "0"], "outside 1..56"),
-    (["{stories}", "--ranks", "64"], "outside 1..56"),
-    (["{stories}", "--ranks", "8,x"], "comma-separated int"),
-    (["{stories}", "--energy", "0"], r"in (0, 1]"),
-    (["{stories}", "--energy", "1.2"], r"in (0, 1]"),
-    (["{stories}", "--rope-dim", "5"], "even number"),
-    (["{stories}", "--kv-keep", "2"], "--kv-keep must be in"),
-    (["{stories}", "--plot", "{tmp}/missing/s.png"], "does not exist"),
-    (["{stories}", "--plot", "{tmp}/s.jpg"], "must end in .png"),
-    (["{stories}", "--csv", "{tmp}/missing/s.csv"], "does not exist"),
-])
-def test_cli_bad_input_is_one_line_and_non_zero(args, message, stories, tmp_path):
-    unsupported = tmp_path / "gpt2"
-    unsupported.mkdir()
-    (unsupported / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    names = {"missing": tmp_path / "nope", "unsupported": unsupported, "stories": stories, "tmp": tmp_path}
-    result = runner.invoke(app, ["inspect", "spectra", *(a.format(**names) for a in args), "--json"])
-    assert result.exit_code == 1
-    error = json.loads(result.stdout)
-    assert error["kind"] == "input" and message in error["error"]
-    lines = result.stderr.strip().splitlines()
-    assert lines == [f"error: {error['error']}"], result.stderr
-
-
 def test_calibrated_inspect_agrees_with_calibrated_convert(stories, tmp_path):
     """--calib streams the source in both commands: the same window sets and the same energies per layer, both
     measured on the audit windows (convert without its per-layer variant search, which inspect does not run, as
     its ``shows`` says); the spectrum itself is in-sample and differs."""
-    import json
-
     tokens = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(3))
     calib = tmp_path / "calib.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in tokens.tolist()))

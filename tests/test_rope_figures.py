@@ -135,6 +135,11 @@ def test_the_closed_form_in_its_own_statistics_reports_what_its_construction_com
                     "without_mean_rotation": loss.uncompensated}
     for figures in (by_rows, by_mix):
         assert_figures(as_dict(figures), construction, rel=1e-10)
+    rounded = [t.bfloat16() for t in (src.q, src.k)]  # a bfloat16 source's rows are measured as they are
+    in_bfloat16 = rotary_figures(*rounded, shape, 8, closed_form_slots(rounded[0], analysis.mix, analysis.choice,
+                                                                        analysis.shared, shape),
+                                 stats.metric, stats.rotation_mean)
+    assert in_bfloat16.energy_kept == pytest.approx(construction["energy_kept"], rel=0.05)
     assert 0.05 < construction["energy_kept"] < 0.95
 
 

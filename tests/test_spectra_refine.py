@@ -89,10 +89,11 @@ def test_the_console_shows_what_the_spectra_show_and_both_models_per_layer(repor
     for row, layer in zip(rows, spectra["layers"]):
         losses = layer["rope_score_loss_per_frequency"]
         at_kept = sum(losses[j] for j in layer["rope_frequencies"])
+        dropped = sum(loss for j, loss in enumerate(losses) if j not in layer["rope_frequencies"])
         worst = max(range(len(losses)), key=losses.__getitem__)
         assert row == [str(layer["layer"]), *(f"{layer[k]:.4f}" for k in (
             "rope_energy_kept", "rope_loss_weighted_kept", "rope_score_loss", "rope_score_loss_without_mean_rotation",
-            "rope_mean_rotation_recovers")), f"{at_kept:.4f}", f"{layer['rope_score_loss'] - at_kept:.4f}",
+            "rope_mean_rotation_recovers")), f"{at_kept:.4f}", f"{dropped:.4f}",
             f"{worst}:", f"{losses[worst]:.4f}"]
 
 

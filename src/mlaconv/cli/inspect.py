@@ -96,8 +96,8 @@ def render_report(report: SpectraReport, console) -> None:
                   f"(stride {report.rope_stride}); latent matrix {report.matrix_rows}×{report.hidden_size}, "
                   f"full rank {full}")
     line(console, f"shows: {escape(report.shows)}")
-    table = Table(title="energy retained at rank r, rank needed per energy target, RoPE energy kept",
-                  box=box.SIMPLE_HEAD, padding=0, show_edge=False)
+    line(console, "energy retained at rank r, rank needed per energy target, RoPE energy kept")
+    table = Table(box=box.SIMPLE_HEAD, padding=0, show_edge=False)
     for column in ["layer", *(f"r={r}" for r in report.ranks),
                    *(f"r@{t * 100:g}%" for t in report.energy_targets), "RoPE"]:
         table.add_column(column, justify="right", overflow="fold")
@@ -150,10 +150,11 @@ def _rotary_table(report: SpectraReport) -> Table:
         losses, kept = layer.rope_score_loss_per_frequency, set(layer.rope_frequencies)
         worst = max(range(len(losses)), key=losses.__getitem__)
         at_kept = sum(loss for j, loss in enumerate(losses) if j in kept)
+        dropped = sum(loss for j, loss in enumerate(losses) if j not in kept)
         table.add_row(str(layer.layer), f"{layer.rope_energy_kept:.4f}", f"{layer.rope_loss_weighted_kept:.4f}",
                       f"{layer.rope_score_loss:.4f}", f"{layer.rope_score_loss_without_mean_rotation:.4f}",
                       f"{layer.rope_mean_rotation_recovers:.4f}", f"{at_kept:.4f}",
-                      f"{layer.rope_score_loss - at_kept:.4f}", f"{worst}: {losses[worst]:.4f}")
+                      f"{dropped:.4f}", f"{worst}: {losses[worst]:.4f}")
     return table
 
 

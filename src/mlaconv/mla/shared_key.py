@@ -132,7 +132,7 @@ def closed_form_slots(q: torch.Tensor, mix: rope.HeadMix, choice: rope.RopeChoic
                       shape: AttentionShape) -> RotatedSlots:
     """The closed form's rotated part before it is assembled: κ, and each head's query share conj(a_g)·z_q."""
     kept, group_of_head = choice.frequencies, torch.arange(shape.heads) // shape.group
-    zq = rope.complex_pairs(q, shape.heads)[kept]  # [R/2, N, H]
+    zq = rope.complex_pairs(q.to(torch.float64), shape.heads)[kept]  # [R/2, N, H] (a bfloat16 source too)
     return RotatedSlots(kept, mix.a[kept][:, group_of_head].conj()[:, :, None] * zq, shared)
 
 

@@ -24,7 +24,7 @@ from mlaconv.mla.attention import scale_input
 from mlaconv.mla.layer import AttentionShape, LayerReport, MLAAttention, SourceAttention
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
 from mlaconv.pipeline import SourceLayer, source_layers
-from mlaconv.plan import Shapes, load_source, output_config, plan_shapes, residual_scale
+from mlaconv.plan import ShapeChoice, load_source, output_config, plan_shapes, residual_scale
 from mlaconv.progress import Progress
 
 DTYPES = {name: models.DTYPES[name] for name in ("float32", "bfloat16")}
@@ -105,7 +105,7 @@ class Baseline:
         return None
 
 
-def write_baseline(method: str, source: str | Path, out: str | Path, step: Baseline, shapes: Shapes, stride: int,
+def write_baseline(method: str, source: str | Path, out: str | Path, step: Baseline, shapes: ShapeChoice, stride: int,
                    started: float, dtype: str, **extra) -> dict:
     """Write ``out`` through mlaconv's own conversion driver and writer, as ``convert --target transformers`` lays it
     out (biases kept, the source's rope scaling), each layer from ``step``; return the report (also baseline.json)."""
@@ -123,7 +123,7 @@ def write_baseline(method: str, source: str | Path, out: str | Path, step: Basel
         copy_tokenizer(folder, tmp)
         report = {
             "method": method, "source": str(folder), "kv_lora_rank": shapes.rank, "qk_rope_head_dim": shapes.rope_dim,
-            "kv_keep": (shapes.rank + shapes.rope_dim) / spec.kv_elements_per_token_per_layer, "rope_stride": stride,
+            "kv_keep": shapes.cache_elements / spec.kv_elements_per_token_per_layer, "rope_stride": stride,
             "dropped_bias": sorted(step.dropped), **extra, "seconds": round(time.perf_counter() - started, 2),
         }
         (tmp / "baseline.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -135,7 +135,7 @@ def attention_shape(spec: SourceSpec) -> AttentionShape:
 
 
 def plan_baseline(source: str | Path, rank: int | None, kv_keep: float | None,
-                  rope_dim: int | None) -> tuple[SourceSpec, Shapes]:
+                  rope_dim: int | None) -> tuple[SourceSpec, ShapeChoice]:
     """(spec, shapes from ``plan_shapes``) of a source folder."""
     _, spec, reader = load_source(str(source))
     reader.close()

@@ -60,7 +60,7 @@ from baseline_plumbing import Baseline, Factorization, attention_shape, plan_bas
 from mlaconv.mla import rope
 from mlaconv.mla.layer import AttentionShape, SourceAttention
 from mlaconv.models import load_causal_lm
-from mlaconv.plan import Shapes
+from mlaconv.plan import ShapeChoice
 
 PCA_DAMPING = 0.01  # TransMLA's pca_calc: + 0.01·mean(diag) on the diagonal
 
@@ -257,7 +257,7 @@ def convert_transmla(source: str | Path, out: str | Path, calib_ids: torch.Tenso
     if freqfold is not None and freqfold not in candidates:
         raise ValueError(f"freqfold {freqfold} must be one of {candidates} (a multiple of d/R dividing d/2)")
     source_moments = attention_input_moments(source, calib_ids, batch_size)  # stage A calibration
-    partial_shapes = Shapes(rank=2 * shape.kv_heads * d - R, rope_dim=R, reason="TransMLA stage A: partial RoPE")
+    partial_shapes = ShapeChoice(rank=shape.cache_elements - R, rope_dim=R, reason="TransMLA stage A: partial RoPE")
     bases: dict[int, list[torch.Tensor]] = {}
     search: dict[int, float] = {}
     with tempfile.TemporaryDirectory(prefix="transmla-") as tmp:

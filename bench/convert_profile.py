@@ -106,7 +106,7 @@ def instrument(timer: Timer) -> None:
     timer.wrap(calibrated, "factor_attention", variant)
     timer.wrap(calibrated, "assemble", "assemble")
     timer.wrap(calibrated, "convert_attention", lambda src, shape, options, stats=None: variant(src, shape, options, stats))
-    timer.wrap(streamer, "_held_pairs", "held pairs", layer_arg=1)
+    timer.wrap(streamer, "held_pairs", "held pairs", layer_arg=1)
     timer.wrap(streamer, "attention_error", lambda self, *a, windows="select", **k: f"measure[{windows}]", layer_arg=1)
     timer.wrap(calibrated, "latent_errors", "latent errors")
     timer.wrap(streamer, "refinement_data", "refinement data", layer_arg=1)

@@ -42,7 +42,7 @@ def main() -> None:
     run = calibrated.layer_run(plan.spec, plan.layer, tokens.shape[1])
     latent, _ = factor_attention(src, plan.shape, calibrated.calibrated_layer_options(plan.layer), stats)
     train, select = streamer.refinement_data(layer_i, src, train_windows)
-    audit = streamer._held_pairs(layer_i, src, "audit")
+    audit = streamer.held_pairs(layer_i, src, "audit")
     angles = torch.arange(tokens.shape[1], dtype=torch.float64)[:, None] * run.slot_frequencies[None, :]
 
     def error(layer, data) -> float:

@@ -74,7 +74,7 @@ def test_the_streamed_forward_reuses_the_source_outputs_a_layer_already_computed
     for i in range(spec.num_layers):
         attention = read_attention(reader, spec, i)
         reusing.refinement_data(i, attention, len(fit) - 1)  # every fit window but the last, and the select windows
-        reusing._held_pairs(i, attention, "audit")
+        reusing.held_pairs(i, attention, "audit")
         computed.clear()
         reusing.advance(i, attention)
         assert sum(computed) == 1  # only the one window no earlier step of this layer needed

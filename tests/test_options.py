@@ -47,7 +47,7 @@ def test_convert_takes_exactly_the_declared_flags():
 
 def test_inspect_spectra_takes_the_shared_flags_and_spectra_options_have_their_defaults():
     shared = {name for name, flag in flags().items() if flag.spectra}
-    own = {"ranks", "energy", "plot", "csv_out", "json_out", "quiet", "debug", "help"}
+    own = {"ranks", "energy", "plot", "csv_out", "refine", "json_out", "quiet", "debug", "help"}
     assert option_fields(command("inspect", "spectra")) - own == shared
     assert set(flags(SpectraOptions)) == shared
     defaults, spectra = ConvertOptions(), SpectraOptions()

@@ -169,7 +169,7 @@ class SourceStreamer:
         gamma = attention.input_norm.to(self.device, torch.float32)
         input_ratio = torch.where(gamma != 0, mla.input_norm / gamma, torch.zeros_like(gamma))
         error = total = 0.0
-        inputs, outputs = self._held_pairs(i, attention, windows)
+        inputs, outputs = self.held_pairs(i, attention, windows)
         with torch.no_grad():
             for start in range(0, inputs.shape[0], self.options.batch_size):
                 batch = slice(start, start + self.options.batch_size)
@@ -193,7 +193,7 @@ class SourceStreamer:
     def _held_windows(self, windows: str) -> tuple[int, ...]:
         return {"select": self.split.select, "audit": self.split.audit}[windows]
 
-    def _held_pairs(self, i: int, attention: SourceAttention, windows: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def held_pairs(self, i: int, attention: SourceAttention, windows: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The select or audit windows' normalised inputs and layer i's source attention outputs, [P, S, H]
         each, computed once per layer (for the layer the streamer is at, whose weights ``attention`` must be):
         every variant of the layer, and its refinement, are measured against the same outputs."""
@@ -227,7 +227,7 @@ class SourceStreamer:
             y = torch.cat([source_attention(x[start:start + b], weights, self.heads, angles)
                            for start in range(0, x.shape[0], b)])  # a batch at a time: the scores stay small
         self._trained = (i, self.split.fit[:windows], y)  # ``advance`` adds them instead of computing them again
-        return (x, y), self._held_pairs(i, attention, "select")
+        return (x, y), self.held_pairs(i, attention, "select")
 
     def _known_outputs(self, i: int) -> dict[int, torch.Tensor]:
         """Layer i's source attention outputs [S, H] already computed, by window: the held select and audit pairs

@@ -20,7 +20,7 @@ from mlaconv.calibrate import CalibrationOptions, MLARun, SourceStreamer
 from mlaconv.calibration_windows import WindowSplit, load_calibration_tokens, split_windows
 from mlaconv.options import ConvertOptions
 from mlaconv.pipeline import SourceLayer, source_layers
-from mlaconv.plan import Plan, Shapes, kv_budget, rope_strides, shape_candidates
+from mlaconv.plan import Plan, ShapeChoice, kv_budget, rope_strides, shape_candidates
 from mlaconv.targets import target
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
@@ -131,7 +131,7 @@ def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
     reason = (f"{best.rank} + {best.rope_dim} of a budget of {whole} elements{held}: the least mean attention error "
               f"({errors[best] / spec.num_layers:.4f}) of "
               f"{len(candidates)} splits, factored on {len(fit)} fit windows and measured on {len(select)} select windows")
-    chosen = Shapes(rank=best.rank, rope_dim=best.rope_dim, reason=reason)
+    chosen = ShapeChoice(rank=best.rank, rope_dim=best.rope_dim, reason=reason)
     return replace(plan, shapes=chosen, layer=layers[best]), ShapeSearch(table, reason, {"fit": fit, "select": select})
 
 

@@ -93,7 +93,7 @@ class ConvertOptions:
                                             "error, kept only if it measures better on held-out windows (default: 150 "
                                             "steps of 8 windows on CUDA, or on a CPU where that is estimated under 30 "
                                             "min; else as many steps of 1 window as fit in 30 min, at least 25; 0 = "
-                                            "closed form only).", int)
+                                            "closed form only).", int, spectra=True)
     refine_tokens: int = 48 * 2048  # the fit windows those steps train on hold at most this many tokens: every fit
     # window of the default calibration and of the recipes' 64 × 2048; the cap bounds the source outputs held for
     # them (tokens·H·4 bytes). More training windows measured better on the audit windows (bench/README.md, issue 16)

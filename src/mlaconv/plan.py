@@ -43,9 +43,6 @@ class ShapeChoice:
         return mla_cache_elements(self.rank, self.rope_dim)
 
 
-Shapes = ShapeChoice  # the old name, until calibrated.py and bench/baselines.py move to ShapeChoice
-
-
 def plan_shapes(spec: SourceSpec, rank: int | None, kv_keep: float | None, rope_dim: int | None,
                 chosen: Target | None = None) -> ShapeChoice:
     """Validate --rank / --kv-keep / --rope-dim against the source and pick (r, R); for a serving target ``chosen``

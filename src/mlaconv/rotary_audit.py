@@ -49,7 +49,7 @@ def audit_rotation_mean(layer: SourceLayer) -> torch.Tensor:
     """μ[h, j] = E[e^{-iΔω_j}] over head h's attention on the audit windows → [N, d/2] complex128, as
     ``SourceStreamer.stats`` measures it on the fit windows (the source's own attention, QK-norm included)."""
     streamer, attention = layer.streamer, layer.attention
-    inputs, _ = streamer._held_pairs(layer.index, attention, "audit")  # the audit inputs every audit figure uses
+    inputs, _ = streamer.held_pairs(layer.index, attention, "audit")  # the audit inputs every audit figure uses
     weights = attention.cast(streamer.device, torch.float32)
     angles = streamer.rotated_angles if attention.rotated else streamer.still
     windows, S = inputs.shape[0], inputs.shape[1]

@@ -70,11 +70,11 @@ class SpectraOptions:
     calib_window: int = shared("calib_window")
     device: str | None = shared("device")
     refine: bool = False  # also run convert's per-layer steps (``spectra_refine``): needs calibration and kv_keep
-    refine_steps: int | None = None  # as ``ConvertOptions.refine_steps`` (None: convert's default plan)
+    refine_steps: int | None = shared("refine_steps")  # with refine
 
     def convert_options(self) -> ConvertOptions:
         """The ``convert`` settings these spectra preview (any rank: it does not enter the analysis)."""
-        return ConvertOptions(rank=None if self.kv_keep is not None else 1, refine_steps=self.refine_steps,
+        return ConvertOptions(rank=None if self.kv_keep is not None else 1,
                               **{name: getattr(self, name) for name in flags(SpectraOptions)})
 
 

@@ -28,7 +28,6 @@ def spectra(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the spectra and energy curves (needs the 'plot' extra)."),
     csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write one CSV row per layer."),
     refine: bool = typer.Option(False, "--refine", help="With --calib and --kv-keep: also run convert's per-layer steps (its split, the variant it keeps, its refinement) and report, per layer, the closed form and the refined layer on the audit windows."),
-    refine_steps: Optional[int] = typer.Option(None, "--refine-steps", help="With --refine: gradient steps per layer, as convert --refine-steps (default: convert's plan)."),
     json_out: bool = JSON_OPTION,
     quiet: bool = QUIET_OPTION,
     debug: bool = DEBUG_OPTION,
@@ -63,7 +62,7 @@ def spectra(
             check_output_file(csv_out, ".csv", "--csv")
         options = SpectraOptions(
             ranks=_parse_list(ranks, int, "--ranks") if ranks is not None else None,
-            energy_targets=tuple(_parse_list(energy, float, "--energy")), refine=refine, refine_steps=refine_steps,
+            energy_targets=tuple(_parse_list(energy, float, "--energy")), refine=refine,
             **given_options(settings))
         with progress(quiet) as track:
             report = run_spectra(src, options, progress=track)

@@ -245,7 +245,7 @@ def export_gguf(folder: Path, path: Path, outtype: str = "f32", force: bool = Fa
         "kept_float32": kept, "worst_row_error": max(worst.values(), default=0.0),
         "row_error_limit": row_error_limit, "vocab": vocabulary.summary(),
         "kv_lora_rank": shape.rank, "qk_rope_head_dim": shape.rope_dim,
-        "kv_cache_elements_per_token_per_layer": shape.rank + shape.rope_dim,
+        "kv_cache_elements_per_token_per_layer": shape.cache_elements,
         "rope_scaling": {"type": "linear", "factor": shape.linear_factor} if shape.score_scale != 1.0 else None,
         "q_scale_folded": shape.score_scale, "llama_cpp_checked": LLAMA_CPP_CHECKED,
         "seconds": round(time.perf_counter() - started, 3),
@@ -333,7 +333,7 @@ def _header_bytes(scratch: Path, shape: DeepseekShape, vocabulary: Vocabulary, f
     writer.add_leading_dense_block_count(s.layers)
     writer.add_q_lora_rank(0)
     writer.add_kv_lora_rank(s.rank)
-    writer.add_key_length(s.rank + s.rope_dim)
+    writer.add_key_length(s.cache_elements)
     writer.add_value_length(s.rank)
     writer.add_key_length_mla(s.nope_dim + s.rope_dim)
     writer.add_value_length_mla(s.v_dim)

@@ -6,9 +6,16 @@ import logging
 import os
 import warnings
 
-import typer
+# Set before anything imports torch (registering the sub-commands below does): OpenMP reads it once, when torch
+# loads it. torch's threads otherwise spin while they wait, and beside other work on the cores a spinning thread
+# takes the time its partner needs: a refinement step of the example model took 2-4x longer on 2 threads than on
+# one with other jobs on the 2 cores, and about as long as on one with passive waiting (bench/README.md, issue 17).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from mlaconv.cli._common import JsonErrorGroup
+import typer  # noqa: E402
+
+from mlaconv.cli._common import JsonErrorGroup  # noqa: E402
 
 app = typer.Typer(
     name="mlaconv",
@@ -40,10 +47,6 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
 
 
 def main() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # torch's OpenMP threads spin while waiting: on 2 busy cores a 1B-shaped weights-only conversion took 170 s
-    # that way and 45 s with passive waiting, writing the same bytes (issue 16). Set before torch is imported.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
     app()

@@ -3,7 +3,7 @@ settings are derived from it."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 import typer
@@ -17,7 +17,7 @@ from mlaconv.spectra import SpectraOptions
 
 # Options only the Python API sets (tests, the bench, the library's own callers).
 PYTHON_ONLY = {"delta", "layer_search", "refine_tokens", "refine_batch", "refine_check_every", "recipe",
-               "eval_batch_size", "extra_report"}
+               "recipe_applied", "eval_batch_size", "extra_report"}
 
 
 def command(*path: str):
@@ -98,6 +98,9 @@ def test_a_recipe_option_fills_the_fields_left_at_their_defaults(tmp_path):
     assert ConvertOptions(recipe=str(recipe), verify=True).verify is False
     assert ConvertOptions.from_recipe(recipe, verify=True).verify is True
     assert ConvertOptions.from_recipe(recipe) == ConvertOptions(recipe=str(recipe))
+    # a copy keeps what it is given: the recipe is not applied again over it
+    assert replace(ConvertOptions(recipe=str(recipe)), verify=True).verify is True
+    assert replace(ConvertOptions.from_recipe(recipe, calib_tokens=2048), kv_keep=None, rank=8).kv_keep is None
 
 
 def test_the_command_line_applies_a_recipe_through_from_recipe(tmp_path, monkeypatch):

@@ -115,21 +115,22 @@ class ConvertOptions:
                                          "(biases and the source's rope_scaling kept), vllm (as portable, refusing "
                                          "shapes vLLM does not run), sglang, llamacpp.", str, recipe=(str,))
     extra_report: dict = field(default_factory=dict)
+    recipe_applied: bool = field(default=False, repr=False)  # a field, so that ``dataclasses.replace`` keeps it
 
     def __post_init__(self) -> None:
-        """With ``recipe``, the recipe's values for the fields left at their defaults (the others were given)."""
-        if self.recipe is not None:
+        """With ``recipe``, the recipe's values for the fields left at their defaults (the others were given), once:
+        a copy made by ``dataclasses.replace`` keeps what it was given."""
+        if self.recipe is not None and not self.recipe_applied:
             given = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != _default(f)}
             for name, value in merge_options(load_recipe(self.recipe).options, given).items():
                 setattr(self, name, value)
+            self.recipe_applied = True
 
     @classmethod
     def from_recipe(cls, path: str | Path, **overrides) -> "ConvertOptions":
         """The options a ``recipes/*.yaml`` file sets, with ``overrides`` (not None) winning, as on the command line:
         unlike ``ConvertOptions(recipe=path, ...)``, also an override equal to the field's default."""
-        options = cls(**merge_options(load_recipe(path).options, overrides))
-        options.recipe = str(path)  # set after __init__, which would apply the recipe a second time
-        return options
+        return cls(**merge_options(load_recipe(path).options, overrides), recipe=str(path), recipe_applied=True)
 
     @property
     def evaluated(self) -> bool:

@@ -52,6 +52,17 @@ def calibration_tokens(plan: Plan, options: ConvertOptions) -> torch.Tensor | No
                                    options.calib_tokens, options.calib_window)
 
 
+def prepare(plan: Plan, options: ConvertOptions, progress: Progress) -> tuple[Plan, SourceStreamer, RefinementPlan,
+                                                                          ShapeSearch | None]:
+    """A calibrated conversion's preparation: the windows, the (r, R) split measured for --kv-keep without
+    --rope-dim, the streamer and the refinement plan → the plan at that split, and the rest."""
+    tokens, shape_search = calibration_tokens(plan, options), None
+    if options.kv_keep is not None and options.rope_dim is None:
+        plan, shape_search = search_shapes(plan, options, tokens, progress)
+    streamer = calibration_streamer(plan, options, tokens)
+    return plan, streamer, refinement_plan(plan, options, streamer), shape_search
+
+
 def calibration_streamer(plan: Plan, options: ConvertOptions, tokens: torch.Tensor | None = None,
                          split: WindowSplit | None = None) -> SourceStreamer | None:
     """The layer-by-layer source forward over the calibration windows (loaded unless given), when calibration

@@ -142,11 +142,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     if options.calibrated:
         from mlaconv import calibrated
 
-        tokens = calibrated.calibration_tokens(plan, options)
-        if options.kv_keep is not None and options.rope_dim is None:  # the split is measured
-            plan, shape_search = calibrated.search_shapes(plan, options, tokens, progress)
-        streamer = calibrated.calibration_streamer(plan, options, tokens)
-        refinement = calibrated.refinement_plan(plan, options, streamer)
+        plan, streamer, refinement, shape_search = calibrated.prepare(plan, options, progress)
     plan = with_rope_stride(plan, progress)
     step: LayerStep = (calibrated.CalibratedSteps(plan, options, streamer, refinement) if streamer else
                        WeightsOnly(plan, dtype, layer_workers(plan)))

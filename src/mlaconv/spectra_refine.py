@@ -1,6 +1,7 @@
 """``inspect spectra --refine``: convert's calibrated steps, layer by layer, without writing anything.
 
-The same preparation as ``conversion.convert`` (the (r, R) split search for --kv-keep, the refinement plan) and the
+The same preparation as ``conversion.convert`` (``calibrated.prepare``: the (r, R) split search for --kv-keep, the
+refinement plan) and the
 same ``calibrated.calibrate_layer`` on every layer: the variant kept on the select windows, its refinement, and both
 measured on the audit windows. What it adds to the spectra is what refinement recovers, per layer: the attention
 error and the rotary figures of the closed form and of the refined layer.
@@ -10,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlaconv.calibrated import (RefinementPlan, calibrate_layer, calibration_streamer, calibration_tokens,
-                                refinement_plan, search_shapes)
+from mlaconv.calibrated import RefinementPlan, calibrate_layer, prepare
 from mlaconv.calibrate import SourceStreamer
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.layer import LayerReport
@@ -49,15 +49,10 @@ def start_refinement(plan: Plan, settings: ConvertOptions,
     streamer and the refinement plan → the plan at convert's split, and the pass to feed each layer to."""
     if settings.kv_keep is None:
         raise MlaconvError("--refine converts each layer at the split convert chooses for a budget: give --kv-keep")
-    tokens = calibration_tokens(plan, settings)
-    if tokens is None:
+    if not settings.calibrated:
         raise MlaconvError("--refine measures on calibration windows: give --calib or --calib-dataset")
-    shape_search = None
-    if settings.rope_dim is None:
-        plan, shape_search = search_shapes(plan, settings, tokens, progress)
-    streamer = calibration_streamer(plan, settings, tokens)
-    return plan, RefinementPass(streamer, refinement_plan(plan, settings, streamer), settings.layer_search,
-                                shape_search)
+    plan, streamer, refinement, shape_search = prepare(plan, settings, progress)
+    return plan, RefinementPass(streamer, refinement, settings.layer_search, shape_search)
 
 
 def layer_audit(report: LayerReport) -> LayerAudit:

@@ -90,7 +90,7 @@ class Baseline:
 
     def __init__(self, spec: SourceSpec, factorize: Callable[[int, SourceAttention], Factorization],
                  layers: list[SourceAttention] | None = None):
-        self.shape, self.residual_scale = attention_shape(spec), residual_scale(spec)
+        self.shape, self.residual_scale = spec.attention_shape, residual_scale(spec)
         self.factorize, self.layers = factorize, layers
         self.dropped: set[str] = set()  # bias terms no tensor can hold
         self.reports: list[LayerReport] = []
@@ -128,10 +128,6 @@ def write_baseline(method: str, source: str | Path, out: str | Path, step: Basel
         }
         (tmp / "baseline.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
-
-
-def attention_shape(spec: SourceSpec) -> AttentionShape:
-    return AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
 
 
 def plan_baseline(source: str | Path, rank: int | None, kv_keep: float | None,

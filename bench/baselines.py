@@ -56,7 +56,7 @@ from typing import Callable
 
 import torch
 
-from baseline_plumbing import Baseline, Factorization, attention_shape, plan_baseline, read_layers, write_baseline
+from baseline_plumbing import Baseline, Factorization, plan_baseline, read_layers, write_baseline
 from mlaconv.mla import rope
 from mlaconv.mla.layer import AttentionShape, SourceAttention
 from mlaconv.models import load_causal_lm
@@ -99,7 +99,7 @@ def convert_joint_svd(source: str | Path, out: str | Path, *, kv_keep: float | N
     """
     started = time.perf_counter()
     spec, shapes = plan_baseline(source, rank, kv_keep, rope_dim)
-    shape = attention_shape(spec)
+    shape = spec.attention_shape
     stride = rope_stride or default_stride(spec.head_dim, shapes.rope_dim)
     step = Baseline(spec, lambda _, src: joint_svd_layer(src, shape, shapes.rope_dim, shapes.rank, stride))
     return write_baseline("joint-svd", source, out, step, shapes, stride, started, dtype)
@@ -249,7 +249,7 @@ def convert_transmla(source: str | Path, out: str | Path, calib_ids: torch.Tenso
         raise ValueError(f"qk_norm must be 'dropped' or 'stand-in', got {qk_norm!r}")
     spec, shapes = plan_baseline(source, rank, kv_keep, rope_dim)
     layers = read_layers(source, calib_ids if qk_norm == "stand-in" else None)
-    shape = attention_shape(spec)
+    shape = spec.attention_shape
     d, R = spec.head_dim, shapes.rope_dim
     if d % R:
         raise ValueError(f"TransMLA needs qk_rope_head_dim ({R}) to divide head_dim ({d})")

@@ -98,7 +98,7 @@ def test_card_renders_a_failed_evaluation(report):
 
 
 def test_card_says_which_layers_were_refined(report):
-    figures = LayerFigures(*[[None] * 5] * 6)
+    figures = LayerFigures(*[[None] * 5] * 9)
     calibration = Calibration(windows=16, window=256, tokens=4096, window_sets=WindowSets([0] * 8, [1] * 4, [2] * 4, None),
                               refine_steps=200, refine_batch=4, refinement="default", selection=[],
                               closed_form=figures, refined=figures,

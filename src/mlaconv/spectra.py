@@ -8,11 +8,13 @@ rank each energy target needs, and the RoPE energy the shared key keeps.
 What it shows (the report's ``shows`` says it too): weights-only, exactly what ``convert`` keeps, and
 ``convert --rank r`` reports the same ``energy_retained`` per layer. With calibration, one variant at one
 split: the plain calibrated variant (E[x xᵀ] and μ from convert's fit windows, balanced latent) at the
-default (r, R) split of --kv-keep. ``convert`` also measures the weights-only and the attention-weighted
-variants per layer and, for --kv-keep, other splits, and keeps per layer what its select windows favour
-(its ``layer_variant`` and ``shape_search`` say what); where it keeps this variant unrefined, it reports the
-same ``energy_retained``: both measure it on the audit windows. ``energy_curve`` and ``rank_for_energy``
-are the spectrum itself, i.e. in-sample (the fit windows) when calibrated.
+default (r, R) split of --kv-keep (with --refine, at the split convert's search chooses). ``convert`` also measures
+the weights-only and the attention-weighted variants per layer and, for --kv-keep, other splits, and keeps per
+layer what its select windows favour (its ``layer_variant`` and ``shape_search`` say what); where it keeps this
+variant unrefined, it reports the same ``energy_retained`` and rotary figures: both measure them on the audit
+windows. ``energy_curve`` and ``rank_for_energy`` are the spectrum itself, i.e. in-sample (the fit windows) when
+calibrated. ``--refine`` adds, per layer, convert's own closed form and refined layer measured on the audit windows
+(``spectra_refine``).
 
 Weights are read lazily, one layer's attention at a time, so a 70B model fits on a laptop.
 """
@@ -110,6 +112,8 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
     """
     started = time.perf_counter()
     _check_targets(options.energy_targets)
+    if options.refine_steps is not None and not options.refine:
+        raise MlaconvError("--refine-steps sets the steps of --refine: give --refine too")
     settings = options.convert_options()
     plan = plan_conversion(source, settings)
     folder, spec, reader = plan.folder, plan.spec, plan.reader

@@ -99,9 +99,9 @@ class LayerFigures(Record):
     value_error: list[float | None]
     layer_variant: list[str | None]
     objective_retained: list[float | None]
-    rope_energy_kept: list[float | None] | None = optional()  # from the layer's own rotated weights (docs/report.md)
-    rope_loss_weighted_kept: list[float | None] | None = optional()
-    rope_score_loss: list[float | None] | None = optional()
+    rope_energy_kept: list[float | None]  # from the layer's own rotated weights (docs/report.md)
+    rope_loss_weighted_kept: list[float | None]
+    rope_score_loss: list[float | None]
 
 
 @dataclass

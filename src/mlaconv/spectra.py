@@ -141,10 +141,9 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
             layer_options = calibrated_layer_options(plan.layer) if calibrated else weights_only
             analysis = analyse_layer(src, plan.shape, layer_options, stats)
             energy = _audited_energy(analysis, src, stats.metric, audit, ranks) if audit is not None else None
-            loss = _unrotation_loss(src, plan.shape, layer_options, analysis, stats)
-            kept = rotary.figures(closed_form_slots(src.q, analysis.mix, analysis.choice, analysis.shared,
-                                                    plan.shape)) if rotary else None
-            layers.append(_layer_entry(i, analysis, loss, ranks, options.energy_targets, full, energy, kept))
+            kept = (rotary.figures(closed_form_slots(src.q, analysis.mix, analysis.choice, analysis.shared, plan.shape))
+                    if rotary else _construction_figures(analysis, src, plan.shape, layer_options, stats))
+            layers.append(_layer_entry(i, analysis, kept, ranks, options.energy_targets, full, energy))
             if refining:
                 refining.add(source, plan, rotary)
             del src, stats, analysis, source
@@ -249,16 +248,19 @@ def _unrotation_loss(src: SourceAttention, shape: AttentionShape, options: Layer
                                 per_query_head(analysis.k_nope), stats.rotation_mean[:, :pairs])
 
 
-def _layer_entry(i: int, analysis: LayerAnalysis, loss: rope.UnrotationLoss, ranks: list[int],
-                 targets: tuple[float, ...], full: int, energy: list[float] | None = None,
-                 kept: RotaryFigures | None = None) -> LayerSpectrum:
+def _construction_figures(analysis: LayerAnalysis, src: SourceAttention, shape: AttentionShape,
+                         options: LayerOptions, stats: LayerStats | None) -> RotaryFigures:
+    """The rotary figures of the construction itself, in the statistics it was built with (nothing audited)."""
+    choice = analysis.choice
+    return RotaryFigures(analysis.rope_energy_kept, choice.energy_kept_per_frequency, choice.loss_weighted_kept,
+                         _unrotation_loss(src, shape, options, analysis, stats))
+
+
+def _layer_entry(i: int, analysis: LayerAnalysis, kept: RotaryFigures, ranks: list[int],
+                 targets: tuple[float, ...], full: int, energy: list[float] | None = None) -> LayerSpectrum:
     """One layer's row of the report; the spectrum is cut at the full rank (what lies beyond is zero).
-    ``energy``: energy_retained per rank, ``kept``: the rotary figures, when measured apart from the construction
-    (on audit windows)."""
-    spectrum, choice = analysis.spectrum, analysis.choice
-    if kept is None:  # the construction's own, in the statistics it was built with
-        kept = RotaryFigures(analysis.rope_energy_kept, choice.energy_kept_per_frequency, choice.loss_weighted_kept,
-                             loss)
+    ``energy``: energy_retained per rank when measured on audit windows; ``kept``: the rotary figures."""
+    spectrum = analysis.spectrum
     singular = spectrum.values[:full].sqrt()
     top = singular[0].item()
     curve = spectrum.energy_curve()[:full]
@@ -275,7 +277,7 @@ def _layer_entry(i: int, analysis: LayerAnalysis, loss: rope.UnrotationLoss, ran
         rope_score_loss_per_frequency=kept.score.compensated_per_frequency,
         rope_score_loss_without_mean_rotation=kept.score.uncompensated,
         rope_mean_rotation_recovers=kept.score.recovered,
-        rope_frequencies=choice.frequencies.tolist(),
+        rope_frequencies=analysis.choice.frequencies.tolist(),
         singular_values=singular.tolist(),
         normalised_spectrum=(singular / top if top > 0 else torch.zeros_like(singular)).tolist(),
         energy_curve=curve.tolist(),

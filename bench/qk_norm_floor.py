@@ -94,7 +94,7 @@ def main() -> None:
         i, true = layer.index, layer.attention
         linear = layer.linear.cast(dtype=torch.float32)
         true32 = true.cast(dtype=torch.float32)
-        angles = streamer.rotated_angles if true.rotated else torch.zeros_like(streamer.rotated_angles)
+        angles = streamer.angles(true)
         with torch.no_grad():
             x = rms_norm(streamer.hidden[select], true32.input_norm, spec.rms_norm_eps).float()
             (q, k), (q_lin, k_lin) = query_key(x, true32, streamer.heads), query_key(x, linear, streamer.heads)

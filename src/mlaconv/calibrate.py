@@ -52,6 +52,15 @@ class MLARun:
     residual_scale: float
 
 
+def rotation_mean(by_distance: torch.Tensor, freqs: torch.Tensor, positions: int) -> torch.Tensor:
+    """μ[h, j] = E[e^{-iΔω_j}] from head h's attention mass by distance [N, S], summed over ``positions`` query
+    positions → [N, F] complex128."""
+    phases = torch.exp(-1j * torch.arange(by_distance.shape[1], dtype=torch.float64)[:, None] * freqs[None, :])
+    mean = (by_distance.cpu().to(torch.complex128) @ phases) / positions
+    mean[:, freqs == 0] = 1  # a pair that never turns keeps its whole alignment
+    return mean
+
+
 class SourceStreamer:
     """Moves calibration windows through the source model, one layer at a time, in float32.
 
@@ -84,8 +93,22 @@ class SourceStreamer:
     def token_count(self) -> int:
         return self.options.tokens.numel()
 
-    def _angles(self, attention: SourceAttention) -> torch.Tensor:
+    def angles(self, attention: SourceAttention) -> torch.Tensor:
+        """The rotation angles [S, F] a layer's source attention turns its pairs by (none without RoPE)."""
         return self.rotated_angles if attention.rotated else self.still
+
+    def audit_rotation_mean(self, i: int, attention: SourceAttention) -> torch.Tensor:
+        """μ [N, F] as ``stats`` measures it, on the audit windows' held inputs (every audit figure's)."""
+        inputs, _ = self.held_pairs(i, attention, "audit")
+        weights = attention.cast(self.device, torch.float32)
+        by_distance = torch.zeros(self.spec.num_heads, inputs.shape[1], dtype=torch.float64)
+        with torch.no_grad():
+            for batch in inputs.split(self.options.batch_size):
+                by_distance += attention_by_distance(batch, weights, self.heads, self.angles(attention)).double().cpu()
+        return rotation_mean(by_distance, self._turning(attention), inputs.shape[0] * inputs.shape[1])
+
+    def _turning(self, attention: SourceAttention) -> torch.Tensor:
+        return self.freqs if attention.rotated else torch.zeros_like(self.freqs)
 
     def _batches(self, windows: Sequence[int]):
         for start in range(0, len(windows), self.options.batch_size):
@@ -124,19 +147,16 @@ class SourceStreamer:
                 for total, y in zip(cross, query_key(x, weights, self.heads)):  # [B, heads, S, d]; none without norms
                     total += y.transpose(1, 2).flatten(2).flatten(0, 1).T.double() @ flat
                 if profiled < self.options.profile_windows:
-                    by_distance += attention_by_distance(x, weights, self.heads, self._angles(attention)).double()
+                    by_distance += attention_by_distance(x, weights, self.heads, self.angles(attention)).double()
                     profiled += len(windows)
             for windows in self._batches(self.split.audit):
                 x = self._normalized(windows, weights)[:]
                 audit_moment += x.flatten(0, 1).T.double() @ x.flatten(0, 1).double()
-        freqs = self.freqs if attention.rotated else torch.zeros_like(self.freqs)
-        phases = torch.exp(-1j * torch.arange(S, dtype=torch.float64)[:, None] * freqs[None, :])  # [S, F]
-        rotation_mean = (by_distance.cpu().to(torch.complex128) @ phases) / (profiled * S)
-        rotation_mean[:, freqs == 0] = 1  # a pair that never turns keeps its whole alignment
+        mean = rotation_mean(by_distance, self._turning(attention), profiled * S)
         fit_tokens = len(self.split.fit) * S
         self._audit_metric = (i, (audit_moment / max(1, len(self.split.audit) * S)).cpu())
         self._norm_moments = (i, qk_norm.NormMoments(*(c.cpu() / fit_tokens for c in cross))) if cross else None
-        return LayerStats(metric=(moment / fit_tokens).cpu(), rotation_mean=rotation_mean, mean=(x_sum / fit_tokens).cpu())
+        return LayerStats(metric=(moment / fit_tokens).cpu(), rotation_mean=mean, mean=(x_sum / fit_tokens).cpu())
 
     def audit_metric(self, i: int) -> torch.Tensor:
         """E[x xᵀ] [H, H] float64 of layer i's inputs on the audit windows (after ``stats(i, …)``)."""
@@ -209,7 +229,7 @@ class SourceStreamer:
                 for start in range(0, len(indices), self.options.batch_size):
                     batch = slice(start, start + self.options.batch_size)
                     inputs[batch] = self._normalized(indices[batch], weights)[:]
-                    outputs[batch] = source_attention(inputs[batch], weights, self.heads, self._angles(attention))
+                    outputs[batch] = source_attention(inputs[batch], weights, self.heads, self.angles(attention))
             self._pairs[windows] = cached = (i, inputs, outputs)
         return cached[1], cached[2]
 
@@ -219,7 +239,7 @@ class SourceStreamer:
         choose the best step on."""
         self._check_layer(i)
         weights = self._on_device(attention)
-        b, angles = self.options.batch_size, self._angles(attention)
+        b, angles = self.options.batch_size, self.angles(attention)
         x = self._normalized(self.split.fit[:windows], weights)
         with torch.no_grad():
             if self.device.type != "cpu":  # formed a batch a step, the inputs would cross to the device every step
@@ -278,7 +298,7 @@ class SourceStreamer:
                 missing = [k for k, window in enumerate(batch) if window not in added]
                 if missing:
                     x = rms_norm(h[missing], attention.input_norm, eps).float()
-                    h[missing] += source_attention(x, attention, self.heads, self._angles(attention))
+                    h[missing] += source_attention(x, attention, self.heads, self.angles(attention))
                 self.hidden[batch] = (h + mlp_block(h, mlp, eps)).cpu()
             for name, layer in converted.items():
                 stream, mla = self.followed[name], self._mla_on_device(layer)

@@ -17,7 +17,6 @@ from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
 from mlaconv.mla.rope import kept_frequencies
 from mlaconv.mla.shared_key import RotaryFigures, RotatedSlots, latent_slots, rotary_figures, rotating_pairs
 from mlaconv.pipeline import SourceLayer
-from mlaconv.reference import attention_by_distance
 
 
 @dataclass(frozen=True)
@@ -42,24 +41,4 @@ class RotaryAudit:
 def rotary_audit(layer: SourceLayer, shape: AttentionShape, options: LayerOptions) -> RotaryAudit:
     """Layer ``layer.index``'s ``RotaryAudit`` (after its statistics: the audit inputs are the held ones)."""
     return RotaryAudit(layer.linear, shape, rotating_pairs(shape, options), layer.audit_metric(),
-                       audit_rotation_mean(layer))
-
-
-def audit_rotation_mean(layer: SourceLayer) -> torch.Tensor:
-    """μ[h, j] = E[e^{-iΔω_j}] over head h's attention on the audit windows → [N, d/2] complex128, as
-    ``SourceStreamer.stats`` measures it on the fit windows (the source's own attention, QK-norm included)."""
-    streamer, attention = layer.streamer, layer.attention
-    inputs, _ = streamer.held_pairs(layer.index, attention, "audit")  # the audit inputs every audit figure uses
-    weights = attention.cast(streamer.device, torch.float32)
-    angles = streamer.rotated_angles if attention.rotated else streamer.still
-    windows, S = inputs.shape[0], inputs.shape[1]
-    by_distance = torch.zeros(streamer.heads.heads, S, dtype=torch.float64)
-    with torch.no_grad():
-        for start in range(0, windows, streamer.options.batch_size):
-            batch = inputs[start:start + streamer.options.batch_size]
-            by_distance += attention_by_distance(batch, weights, streamer.heads, angles).double().cpu()
-    freqs = streamer.freqs if attention.rotated else torch.zeros_like(streamer.freqs)
-    phases = torch.exp(-1j * torch.arange(S, dtype=torch.float64)[:, None] * freqs[None, :])  # [S, d/2]
-    mean = (by_distance.to(torch.complex128) @ phases) / max(1, windows * S)
-    mean[:, freqs == 0] = 1  # a pair that never turns keeps its whole alignment
-    return mean
+                       layer.streamer.audit_rotation_mean(layer.index, layer.attention))

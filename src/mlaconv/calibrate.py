@@ -100,7 +100,7 @@ class SourceStreamer:
     def audit_rotation_mean(self, i: int, attention: SourceAttention) -> torch.Tensor:
         """μ [N, F] as ``stats`` measures it, on the audit windows' held inputs (every audit figure's)."""
         inputs, _ = self.held_pairs(i, attention, "audit")
-        weights = attention.cast(self.device, torch.float32)
+        weights = self._on_device(attention)
         by_distance = torch.zeros(self.spec.num_heads, inputs.shape[1], dtype=torch.float64)
         with torch.no_grad():
             for batch in inputs.split(self.options.batch_size):

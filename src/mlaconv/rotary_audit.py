@@ -9,13 +9,15 @@ measured alike, and ``inspect spectra`` and ``convert`` report the same figure f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from mlaconv.mla.attention import LatentAttention
 from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
 from mlaconv.mla.rope import kept_frequencies
-from mlaconv.mla.shared_key import RotaryFigures, RotatedSlots, latent_slots, rotary_figures, rotating_pairs
+from mlaconv.mla.shared_key import (RotaryFigures, RotatedSlots, SourceRotation, figures_against, latent_slots,
+                                    nothing_rotates, rotating_pairs, source_rotation)
 from mlaconv.pipeline import SourceLayer
 
 
@@ -29,9 +31,15 @@ class RotaryAudit:
     metric: torch.Tensor  # E[x xᵀ] [H, H] on the audit windows
     rotation_mean: torch.Tensor  # μ [N, d/2] on the audit windows
 
+    @cached_property
+    def rotation(self) -> SourceRotation:
+        """The source's side of the figures, once for every version of the layer measured."""
+        return source_rotation(self.source.q, self.source.k, self.shape, self.pairs, self.metric, self.rotation_mean)
+
     def figures(self, slots: RotatedSlots) -> RotaryFigures:
-        return rotary_figures(self.source.q, self.source.k, self.shape, self.pairs, slots, self.metric,
-                              self.rotation_mean, self.source.rotated)
+        if not self.source.rotated:
+            return nothing_rotates(self.pairs)
+        return figures_against(self.rotation, self.source.q, self.source.k, slots)
 
     def of_latent(self, latent: LatentAttention, rope_dim: int, stride: int) -> RotaryFigures:
         """The figures of a compact layer whose R/2 slots turn at source pairs 0, s, 2s, …"""

@@ -55,8 +55,7 @@ def latent_attention(x: torch.Tensor, p: dict[str, torch.Tensor], fixed: LatentA
         out = _expanded_attention(q_nope, q_rope, latent, k_rope, p, shape)
     else:
         mask = queries[:, None] >= torch.arange(S, device=x.device)[None, :]  # [Q, S] causal
-        cheaper = _latent_work(shape, latent.shape[-1], S, Q) < _expanded_work(shape, latent.shape[-1], S, Q)
-        attend = _attention_in_latent if cheaper else _expanded_attention
+        attend = _attention_in_latent if _in_latent(shape, latent.shape[-1], S, Q) else _expanded_attention
         out = attend(q_nope, q_rope, latent, k_rope, p, shape, mask)
     o_bias = None if fixed.o_bias is None else fixed.o_bias.to(x.dtype)
     return F.linear(out.transpose(1, 2).reshape(B, Q, N * d), fixed.o.to(x.dtype), o_bias)
@@ -97,6 +96,11 @@ def _expanded_work(shape: AttentionShape, rank: int, window: int, queries: int) 
     """Multiply-adds of K and V from the latent and of the scores and averages at width d, per window."""
     N, G, d = shape.heads, shape.kv_heads, shape.head_dim
     return window * rank * 2 * G * d + 2 * N * queries * window * d
+
+
+def _in_latent(shape: AttentionShape, rank: int, window: int, queries: int) -> bool:
+    """Whether the attention at ``queries`` positions is less work formed in the latent than expanded."""
+    return _latent_work(shape, rank, window, queries) < _expanded_work(shape, rank, window, queries)
 
 
 def _latent_work(shape: AttentionShape, rank: int, window: int, queries: int) -> int:
@@ -224,7 +228,6 @@ def refinement_flops(shape: AttentionShape, rope_dim: int, rank: int, windows: i
     queries = window if queries is None else min(queries, window)
     key_side = window * H * (rank + R)  # the latent and the rotated key
     query_side = queries * (H * N * (d + R) + H * N * d + window * N * R)  # q, W_o and the rotary scores
-    attend = _expanded_work(shape, rank, window, queries)
-    if queries < window:
-        attend = min(attend, _latent_work(shape, rank, window, queries))
+    in_latent = queries < window and _in_latent(shape, rank, window, queries)  # ``refine`` takes all positions expanded
+    attend = (_latent_work if in_latent else _expanded_work)(shape, rank, window, queries)
     return 3 * 2 * windows * (key_side + query_side + attend)

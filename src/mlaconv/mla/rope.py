@@ -240,10 +240,15 @@ def unrotation_loss(query_energy: torch.Tensor, key_energy: torch.Tensor, remain
                     mean: torch.Tensor) -> UnrotationLoss:
     """query_energy [F, N], key_energy and remainder_energy [F, N] (each query head's KV head's, per pair),
     mean μ [N, F] → the ``UnrotationLoss``."""
-    total = (query_energy * key_energy).sum().item()
+    return score_loss(query_energy * remainder_energy, (query_energy * key_energy).sum().item(), mean)
+
+
+def score_loss(error: torch.Tensor, total: float, mean: torch.Tensor) -> UnrotationLoss:
+    """error [F, N]: each pair's and query head's score error before anything stands in for it; ``total``: the
+    query-weighted key energy it is a fraction of; mean μ [N, F] → the ``UnrotationLoss``."""
     mu = mean.T  # [F, N]
-    compensated = query_energy * remainder_energy * (1 - mu.abs() ** 2).clamp_min(0)
-    uncompensated = query_energy * remainder_energy * (2 - 2 * mu.real).clamp_min(0)
+    compensated = error * (1 - mu.abs() ** 2).clamp_min(0)
+    uncompensated = error * (2 - 2 * mu.real).clamp_min(0)
     scale = 1 / total if total > 0 else 0.0
     return UnrotationLoss(compensated_per_frequency=(compensated.sum(-1) * scale).tolist(),
                           compensated=compensated.sum().item() * scale, uncompensated=uncompensated.sum().item() * scale)

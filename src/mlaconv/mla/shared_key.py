@@ -50,10 +50,10 @@ def query_energy_per_head(q: torch.Tensor, shape: AttentionShape, metric: torch.
     return metric_math.energy(zq, metric)
 
 
-def unrotation_cost(stats: LayerStats) -> torch.Tensor:
-    """[F, N]: E|e^{-iΔω} − μ|² = 1 − |μ|², what losing the rotation of a component at frequency j costs
+def unrotation_cost(mean: torch.Tensor) -> torch.Tensor:
+    """μ [N, F] → [F, N]: E|e^{-iΔω} − μ|² = 1 − |μ|², what losing the rotation of a component at frequency j costs
     head h when the component then sees the mean rotation μ instead."""
-    return (1 - stats.rotation_mean.abs() ** 2).clamp_min(0).T
+    return (1 - mean.abs() ** 2).clamp_min(0).T
 
 
 def key_mix(k: torch.Tensor, q: torch.Tensor | None, shape: AttentionShape, stats: LayerStats,
@@ -65,7 +65,7 @@ def key_mix(k: torch.Tensor, q: torch.Tensor | None, shape: AttentionShape, stat
     """
     zk = rope.complex_pairs(k, shape.kv_heads)  # [F, n_kv, H]
     gram = rope.hermitian_gram(zk, stats.metric)
-    cost = unrotation_cost(stats)  # [F, N]
+    cost = unrotation_cost(stats.rotation_mean)  # [F, N]
     if options.query_weighted_rope:
         cost = cost * query_energy_per_head(q, shape, stats.metric)
     weights = cost.reshape(cost.shape[0], shape.kv_heads, shape.group).sum(-1)
@@ -165,6 +165,35 @@ def inner(a: torch.Tensor, b: torch.Tensor, metric: torch.Tensor) -> torch.Tenso
     return (metric_math.times(a, metric) * b.conj()).sum(-1)
 
 
+@dataclass(frozen=True)
+class SourceRotation:
+    """The source's side of ``rotary_figures``, the same for every version of a layer: its rotating pairs' energies
+    in one metric and what losing each pair's rotation costs under μ (small: [F, N] each)."""
+
+    shape: AttentionShape
+    metric: torch.Tensor  # E[x xᵀ] [H, H] in float64 (or its diagonal)
+    mean: torch.Tensor  # μ [N, F] complex128
+    query: torch.Tensor  # E|z_q|² [F, N]
+    key: torch.Tensor  # E|z_k|² [F, n_kv]
+    weight: torch.Tensor  # Σ over each KV head's query heads of (1 − |μ|²) × query energy [F, n_kv]
+
+
+def source_rotation(q: torch.Tensor, k: torch.Tensor, shape: AttentionShape, pairs: int, metric: torch.Tensor,
+                    mean: torch.Tensor) -> SourceRotation:
+    """The ``SourceRotation`` of source rows q [N·d, H], k [n_kv·d, H] over their first ``pairs`` pairs."""
+    metric = metric.to(torch.float64)
+    query = metric_math.energy(_pairs(q, shape.heads, pairs), metric)  # [F, N]
+    key = metric_math.energy(_pairs(k, shape.kv_heads, pairs), metric)  # [F, n_kv]
+    mean = mean[:, :pairs].to(torch.complex128)
+    weight = (unrotation_cost(mean) * query).reshape(pairs, shape.kv_heads, shape.group).sum(-1)
+    return SourceRotation(shape, metric, mean, query, key, weight)
+
+
+def nothing_rotates(pairs: int) -> RotaryFigures:
+    """The figures of a layer whose source turns no pair: nothing to keep, nothing lost."""
+    return RotaryFigures(1.0, [1.0] * pairs, 1.0, rope.UnrotationLoss([0.0] * pairs, 0.0, 0.0))
+
+
 def rotary_figures(q: torch.Tensor, k: torch.Tensor, shape: AttentionShape, pairs: int, slots: RotatedSlots,
                    metric: torch.Tensor, mean: torch.Tensor, rotated: bool = True) -> RotaryFigures:
     """The ``RotaryFigures`` of a layer's rotated part ``slots`` against the source rows q [N·d, H] and k [n_kv·d, H],
@@ -176,34 +205,36 @@ def rotary_figures(q: torch.Tensor, k: torch.Tensor, shape: AttentionShape, pair
     when it adds c as if Δ were 0. Both are fractions of Σ E|z_q|²·E|z_k|². For the closed form in its own
     statistics every figure is the one its construction reports (``decompose_keys``, ``rope.unrotation_loss``).
     """
-    if not rotated:  # nothing turns: nothing to keep, nothing lost
-        return RotaryFigures(1.0, [1.0] * pairs, 1.0, rope.UnrotationLoss([0.0] * pairs, 0.0, 0.0))
-    metric = metric.to(torch.float64)
+    if not rotated:
+        return nothing_rotates(pairs)
+    return figures_against(source_rotation(q, k, shape, pairs, metric, mean), q, k, slots)
+
+
+def figures_against(source: SourceRotation, q: torch.Tensor, k: torch.Tensor, slots: RotatedSlots) -> RotaryFigures:
+    """``rotary_figures`` with the source's side computed already (one ``SourceRotation`` for every version)."""
+    shape, metric, pairs = source.shape, source.metric, source.query.shape[0]
     group_of_head, j = torch.arange(shape.heads) // shape.group, slots.frequencies
-    zq = rope.complex_pairs(q.to(torch.float64), shape.heads)[:pairs]  # [F, N, H]
-    zk = rope.complex_pairs(k.to(torch.float64), shape.kv_heads)[:pairs]  # [F, n_kv, H]
+    zq, zk = _pairs(q, shape.heads, pairs), _pairs(k, shape.kv_heads, pairs)  # [F, N, H], [F, n_kv, H]
     kappa, q_hat = slots.key.to(torch.complex128), slots.query.to(torch.complex128)  # [R/2, H], [R/2, N, H]
-    query, key = metric_math.energy(zq, metric), metric_math.energy(zk, metric)  # [F, N], [F, n_kv]
     kappa_energy = metric_math.energy(kappa, metric)  # [R/2]
     along = inner(zk[j], kappa[:, None], metric)  # E[z_k·conj κ] [R/2, n_kv]
-    kept = torch.zeros_like(key)
+    kept = torch.zeros_like(source.key)
     kept[j] = along.abs() ** 2 / kappa_energy.clamp_min(torch.finfo(torch.float64).tiny)[:, None]
-    error = query * key[:, group_of_head]  # [F, N]
+    error = source.query * source.key[:, group_of_head]  # [F, N]
+    total = error.sum().item()
     error[j] = (error[j] + metric_math.energy(q_hat, metric) * kappa_energy[:, None]
                 - 2 * (inner(zq[j], q_hat, metric) * along[:, group_of_head].conj()).real).clamp_min(0)
-    mu = mean[:, :pairs].T.to(torch.complex128)  # [F, N]
-    cost = (1 - mu.abs() ** 2).clamp_min(0)
-    weight = (cost * query).reshape(pairs, shape.kv_heads, shape.group).sum(-1)  # [F, n_kv]
+    weight, key = source.weight, source.key
     per_frequency = (weight * kept).sum(-1) / (weight * key).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)
-    total = (query * key[:, group_of_head]).sum().item()
-    scale = 1 / total if total > 0 else 0.0
-    compensated = (error * cost).sum(-1) * scale
     return RotaryFigures(
         energy_kept=_share(kept.sum().item(), key.sum().item()),
         energy_kept_per_frequency=per_frequency.tolist(),
         loss_weighted_kept=_share((weight * kept).sum().item(), (weight * key).sum().item()),
-        score=rope.UnrotationLoss(compensated.tolist(), compensated.sum().item(),
-                                  (error * (2 - 2 * mu.real).clamp_min(0)).sum().item() * scale))
+        score=rope.score_loss(error, total, source.mean))
+
+
+def _pairs(rows: torch.Tensor, heads: int, pairs: int) -> torch.Tensor:
+    return rope.complex_pairs(rows.to(torch.float64), heads)[:pairs]
 
 
 def _share(part: float, whole: float) -> float:

@@ -77,17 +77,25 @@ class WeightsOnly:
     def __call__(self, layer: SourceLayer) -> dict[str, MLAAttention]:
         return self._collect(self._convert(layer.attention))
 
-    def ahead(self, layers: Iterable[SourceLayer]) -> Iterator[tuple[int, dict[str, MLAAttention]]]:
-        """(index, models) of every layer in order. The weights are read here, in order (the reader and a fused
-        tensor's cache stay on one thread); only the arithmetic runs on the threads."""
+    def ahead(self, layers: Iterable[SourceLayer], start: Callable[[], None] = lambda: None
+              ) -> Iterator[tuple[int, dict[str, MLAAttention]]]:
+        """(index, models) of every layer in order; ``start`` runs here once the first layers are on the threads (the
+        outer tensors are written meanwhile). The weights are read here, in order (the reader and a fused tensor's
+        cache stay on one thread); only the arithmetic runs on the threads."""
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="mlaconv-layer")
         waiting: deque[tuple[int, Future]] = deque()
+        started = False
         try:
             for layer in layers:
                 waiting.append((layer.index, pool.submit(self._convert, layer.attention)))
+                if not started and len(waiting) == self.workers:
+                    start()
+                    started = True
                 if len(waiting) > self.workers:  # one layer more than the threads: the next waits read
                     index, future = waiting.popleft()
                     yield index, self._collect(future.result())
+            if not started:
+                start()
             while waiting:
                 index, future = waiting.popleft()
                 yield index, self._collect(future.result())
@@ -200,10 +208,12 @@ def write_tensors(output: LayerWriter, layers: Iterable[SourceLayer], step: Laye
                   progress: Progress = no_progress) -> None:
     """Every tensor of the converted checkpoint: the outer ones, each layer as ``step`` converts it, then the chosen
     version of the layers ``step`` held."""
-    output.outer()
     # one layer at a time unless two run at once: an interrupt then waits for one operator, not a layer
-    converted = (step.ahead(layers) if isinstance(step, WeightsOnly) and step.workers > 1 else
-                 ((layer.index, step(layer)) for layer in layers))
+    if isinstance(step, WeightsOnly) and step.workers > 1:
+        converted = step.ahead(layers, start=output.outer)
+    else:
+        output.outer()
+        converted = ((layer.index, step(layer)) for layer in layers)
     with closing(converted):  # on an error, the layer threads end before the folder goes
         for index, models in converted:
             output.layer(index, models)

@@ -30,6 +30,7 @@ from mlaconv.reference import MLPWeights
 
 if TYPE_CHECKING:
     from mlaconv.arch import SourceSpec
+    from mlaconv.io.source import StoredTensor
 
 BiasRule = Literal["never", "always", "config"]
 
@@ -87,11 +88,19 @@ class Family:
 
     def read(self, get: Reader, spec: "SourceSpec", i: int | None, key: str) -> torch.Tensor:
         """The canonical tensor ``key`` (of layer ``i``; top level when None) from the checkpoint."""
-        return get(key if i is None else layer_name(i, key))
+        return get(self.stored_name(spec, i, key))
+
+    def stored_name(self, spec: "SourceSpec", i: int | None, key: str) -> str | None:
+        """The checkpoint tensor that ``read`` returns whole for ``key`` (None: it is sliced out of another)."""
+        return key if i is None else layer_name(i, key)
 
     def modify(self, spec: "SourceSpec", key: str, tensor: torch.Tensor) -> torch.Tensor:
         """Fold what the family computes around a tensor into it (nothing for Llama's layout)."""
         return tensor
+
+    def folds(self, spec: "SourceSpec", key: str) -> bool:
+        """Whether ``modify`` changes ``key``."""
+        return False
 
 
 _PHI3_FUSED = {Q + W: ("self_attn.qkv_proj.weight", 0), K + W: ("self_attn.qkv_proj.weight", 1),
@@ -107,6 +116,9 @@ class Phi3(Family):
         H, N, G, d, F = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
         shapes = {k: v for k, v in super().layer_shapes(spec).items() if k not in _PHI3_FUSED}
         return shapes | {"self_attn.qkv_proj.weight": ((N + 2 * G) * d, H), "mlp.gate_up_proj.weight": (2 * F, H)}
+
+    def stored_name(self, spec: "SourceSpec", i: int | None, key: str) -> str | None:
+        return None if i is not None and key in _PHI3_FUSED else super().stored_name(spec, i, key)
 
     def read(self, get: Reader, spec: "SourceSpec", i: int | None, key: str) -> torch.Tensor:
         if i is None or key not in _PHI3_FUSED:
@@ -131,14 +143,20 @@ class Granite(Family):
             _multiplier(config, key)
 
     def modify(self, spec: "SourceSpec", key: str, tensor: torch.Tensor) -> torch.Tensor:
-        c = spec.config
-        residual = _multiplier(c, "residual_multiplier")
-        query = _multiplier(c, "attention_multiplier") * math.sqrt(spec.head_dim)  # transformers: 1.0 if unset
-        factor = {EMBED: _multiplier(c, "embedding_multiplier"), LM_HEAD: 1 / _multiplier(c, "logits_scaling"),
-                  Q + W: query, Q + B: query, O + W: residual, O + B: residual, DOWN: residual}.get(key, 1.0)
+        factor = self._factor(spec, key)
         if factor == 1.0:
             return tensor
         return tensor.to(torch.promote_types(tensor.dtype, torch.float32)) * factor
+
+    def folds(self, spec: "SourceSpec", key: str) -> bool:
+        return self._factor(spec, key) != 1.0
+
+    def _factor(self, spec: "SourceSpec", key: str) -> float:
+        c = spec.config
+        residual = _multiplier(c, "residual_multiplier")
+        query = _multiplier(c, "attention_multiplier") * math.sqrt(spec.head_dim)  # transformers: 1.0 if unset
+        return {EMBED: _multiplier(c, "embedding_multiplier"), LM_HEAD: 1 / _multiplier(c, "logits_scaling"),
+                Q + W: query, Q + B: query, O + W: residual, O + B: residual, DOWN: residual}.get(key, 1.0)
 
 
 def _multiplier(config: dict, key: str, default: float = 1.0) -> float:
@@ -186,11 +204,19 @@ class SourceWeights:
 
     def tensor(self, i: int | None, key: str) -> torch.Tensor:
         """One canonical tensor: layer ``i``'s ``key`` (top level when None), read and folded."""
-        if i is None and key == LM_HEAD and LM_HEAD not in self.reader:  # tied: the head is the raw embedding
-            tensor = self.family.read(self._get, self.spec, None, EMBED)
-        else:
-            tensor = self.family.read(self._get, self.spec, i, key)
-        return self.family.modify(self.spec, key, tensor)
+        return self.family.modify(self.spec, key, self.family.read(self._get, self.spec, i, self._source_key(i, key)))
+
+    def stored(self, i: int | None, key: str) -> "StoredTensor | None":
+        """Where the canonical tensor lies as it is in the checkpoint, checked (``CheckpointReader.stored``), for
+        copying its bytes unread; None when the family slices or folds it, or the checkpoint is a pickle."""
+        name = self.family.stored_name(self.spec, i, self._source_key(i, key))
+        if name is None or self.family.folds(self.spec, key):
+            return None
+        return self.reader.stored(name)
+
+    def _source_key(self, i: int | None, key: str) -> str:
+        """Tied weights: the head is the raw embedding."""
+        return EMBED if i is None and key == LM_HEAD and LM_HEAD not in self.reader else key
 
     def release(self) -> None:
         self._fused = None

@@ -38,10 +38,9 @@ class LayerWriter:
 
     def outer(self) -> None:
         """The head, the embedding (scaled by α) and the final norm, one at a time."""
-        w = self.weights
-        self.writer.add(deepseek.LM_HEAD, w.tensor(None, deepseek.LM_HEAD).to(self.dtype))
-        self.writer.add(deepseek.EMBED, scaled(w.tensor(None, deepseek.EMBED), self.alpha, self.dtype))
-        self.writer.add(deepseek.FINAL_NORM, w.tensor(None, deepseek.FINAL_NORM).to(self.dtype))
+        self._source(deepseek.LM_HEAD, None, deepseek.LM_HEAD)
+        self._source(deepseek.EMBED, None, deepseek.EMBED, self.alpha)
+        self._source(deepseek.FINAL_NORM, None, deepseek.FINAL_NORM)
 
     def layer(self, i: int, models: dict[str, MLAAttention]) -> None:
         """Layer i: its attention (α already in o_proj), written now if there is one model, else held until
@@ -52,17 +51,27 @@ class LayerWriter:
         else:
             self.pending.put(i, tensors)
         del tensors
-        w, p = self.weights, deepseek.layer_prefix(i)
+        p = deepseek.layer_prefix(i)
         for name in (deepseek.GATE_PROJ, deepseek.UP_PROJ):
-            self.writer.add(p + name, w.tensor(i, name).to(self.dtype))
-        w.release()
-        self.writer.add(p + deepseek.DOWN_PROJ, scaled(w.tensor(i, deepseek.DOWN_PROJ), self.alpha, self.dtype))
-        self.writer.add(p + deepseek.POST_ATTENTION_NORM, w.tensor(i, deepseek.POST_ATTENTION_NORM).to(self.dtype))
+            self._source(p + name, i, name)
+        self.weights.release()
+        self._source(p + deepseek.DOWN_PROJ, i, deepseek.DOWN_PROJ, self.alpha)
+        self._source(p + deepseek.POST_ATTENTION_NORM, i, deepseek.POST_ATTENTION_NORM)
 
     def choose(self, name: str) -> None:
         """Write model ``name``'s version of every held layer."""
         for i in list(self.pending.keys):
             self._add(i, self.pending.take(i, name))
+
+    def _source(self, name: str, i: int | None, key: str, alpha: float = 1.0) -> None:
+        """A source tensor (layer ``i``'s ``key``) as ``name``, scaled by ``alpha``: its bytes copied unread when
+        they are the output's (``SourceWeights.stored``), else read, scaled and cast."""
+        stored = self.weights.stored(i, key) if alpha == 1.0 else None
+        if stored is not None and stored.dtype == self.dtype:
+            self.writer.copy(name, stored)
+        else:
+            tensor = self.weights.tensor(i, key)
+            self.writer.add(name, tensor.to(self.dtype) if alpha == 1.0 else scaled(tensor, alpha, self.dtype))
 
     def _attention(self, mla: MLAAttention) -> dict[str, torch.Tensor]:
         return {name: t.to(self.dtype) for name, t in deepseek.attention_tensors(mla, self.biases).items()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import pickle
 import re
@@ -123,7 +124,7 @@ class CheckpointReader:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.format, self._file_of = _index_weights(self.folder)
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, StoredTensor] = {}
         self._bin_state: dict[str, torch.Tensor] | None = None
         self._bin_path: Path | None = None
         if self.format == "safetensors":
@@ -168,9 +169,19 @@ class CheckpointReader:
         else:
             tensor = self._bin_tensor(name).clone()
         if tensor.is_floating_point() and tensor.element_size() > 1 and not _all_finite(tensor):
-            raise MlaconvError(f"tensor {name} in {self._file_of[name].name} contains NaN or Inf; the checkpoint is "
-                               "damaged (download it again, or fix the training run that wrote it)")
+            raise MlaconvError(_non_finite(name, self._file_of[name]))
         return tensor
+
+    def stored(self, name: str) -> StoredTensor | None:
+        """Where tensor ``name`` lies in its safetensors file, for copying its bytes unread
+        (``ShardedWriter.copy``); checked for NaN and Inf through a read-only mapping of the file, so nothing is
+        copied into memory. None for a pickle checkpoint."""
+        if self.format != "safetensors":
+            return None
+        entry = self._entries[self._known(name)]
+        if entry.dtype.is_floating_point and _element_size(entry.dtype) > 1 and not _mapped_finite(entry, name):
+            raise MlaconvError(_non_finite(name, entry.path))
+        return entry
 
     def close(self) -> None:
         self._bin_state = None
@@ -193,8 +204,13 @@ class CheckpointReader:
         return self._bin_state[name]
 
 
+def _non_finite(name: str, path: Path) -> str:
+    return (f"tensor {name} in {path.name} contains NaN or Inf; the checkpoint is damaged (download it again, or "
+            "fix the training run that wrote it)")
+
+
 @dataclass(frozen=True)
-class _Entry:
+class StoredTensor:
     """Where one tensor lives in a safetensors file."""
 
     path: Path
@@ -204,7 +220,7 @@ class _Entry:
     nbytes: int
 
 
-def read_safetensors_header(path: Path) -> dict[str, _Entry]:
+def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
     """The tensors of a safetensors file, from its header, checked against the file's size."""
 
     def corrupt(why: str) -> MlaconvError:
@@ -225,7 +241,7 @@ def read_safetensors_header(path: Path) -> dict[str, _Entry]:
     if not isinstance(header, dict):
         raise corrupt("its header is not a JSON object")
     header.pop("__metadata__", None)
-    entries: dict[str, _Entry] = {}
+    entries: dict[str, StoredTensor] = {}
     data_end = 0
     for name, info in header.items():
         try:
@@ -239,14 +255,14 @@ def read_safetensors_header(path: Path) -> dict[str, _Entry]:
             raise MlaconvError(f"{path.name}: tensor {name} has unsupported dtype {dtype_name}")
         if begin < 0 or min(shape, default=0) < 0 or end - begin != math.prod(shape) * _element_size(dtype):
             raise corrupt(f"the offsets of {name} do not match its shape")
-        entries[name] = _Entry(path, shape, dtype, 8 + length + begin, end - begin)
+        entries[name] = StoredTensor(path, shape, dtype, 8 + length + begin, end - begin)
         data_end = max(data_end, end)
     if 8 + length + data_end > size:
         raise corrupt(f"it is truncated ({size} bytes; its header describes {8 + length + data_end})")
     return entries
 
 
-def _read_tensor(entry: _Entry, name: str) -> torch.Tensor:
+def _read_tensor(entry: StoredTensor, name: str) -> torch.Tensor:
     """One tensor read straight into an uninitialised buffer (no zero fill, no copy)."""
     data = torch.empty(entry.nbytes, dtype=torch.uint8)
     view, done = memoryview(data.numpy()), 0
@@ -258,6 +274,30 @@ def _read_tensor(entry: _Entry, name: str) -> torch.Tensor:
                 raise MlaconvError(f"{entry.path} ended inside tensor {name} (was it truncated while mlaconv ran?)")
             done += count
     return data.view(entry.dtype).reshape(entry.shape)
+
+
+def _mapped_finite(entry: StoredTensor, name: str) -> bool:
+    """``_all_finite`` of a tensor read through a read-only shared mapping of its file (populated at once where the
+    system allows): the page cache's own pages, no copy."""
+    if not entry.nbytes:
+        return True
+    start = entry.offset - entry.offset % mmap.ALLOCATIONGRANULARITY
+    with open(entry.path, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size < entry.offset + entry.nbytes:  # mapped past the end: SIGBUS, not an error
+            raise MlaconvError(f"{entry.path} ended inside tensor {name} (was it truncated while mlaconv ran?)")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapped = mmap.mmap(handle.fileno(), entry.offset + entry.nbytes - start, flags=flags, prot=mmap.PROT_READ,
+                           offset=start)
+    try:
+        with warnings.catch_warnings():  # torch warns that the buffer is read-only; nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.frombuffer(mapped, dtype=entry.dtype, count=entry.nbytes // _element_size(entry.dtype),
+                                      offset=entry.offset - start)
+        finite = _all_finite(tensor)
+        del tensor
+    finally:
+        mapped.close()
+    return finite
 
 
 def _element_size(dtype: torch.dtype) -> int:

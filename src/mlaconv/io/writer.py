@@ -22,7 +22,7 @@ from typing import BinaryIO, Callable, Iterator
 import torch
 
 from mlaconv.errors import MlaconvError
-from mlaconv.io.source import SAFETENSORS_DTYPES
+from mlaconv.io.source import SAFETENSORS_DTYPES, StoredTensor
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
 HEADER_RESERVE = 64 * 2**10  # bytes kept for a shard's header: ~400 tensor entries
@@ -258,33 +258,44 @@ class ShardedWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Write ``tensor`` to the current shard (now, or in order on the writer's thread with ``write_ahead``)."""
-        if name in self._names:
-            raise ValueError(f"tensor {name} written twice")
         if tensor.dtype not in _DTYPE_NAMES:
             raise ValueError(f"tensor {name} has dtype {tensor.dtype}, which safetensors cannot store")
         tensor = tensor.detach().to("cpu").contiguous()
         size = tensor.numel() * tensor.element_size()
+
+        def write(file: BinaryIO) -> None:
+            file.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+
+        self._place(name, tensor.dtype, tuple(tensor.shape), size, write, held=size)
+
+    def copy(self, name: str, stored: StoredTensor) -> None:
+        """Write a tensor of a source safetensors file as it is, its bytes copied unread: by the kernel from file
+        to file (``os.copy_file_range``) where it can, else in blocks. Nothing waits in memory."""
+        self._place(name, stored.dtype, stored.shape, stored.nbytes, lambda file: _copy_bytes(stored, name, file),
+                    held=0)
+
+    def _place(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], size: int,
+               write: Callable[[BinaryIO], None], held: int) -> None:
+        """Give ``name`` its place in the current shard (opening the next when it is full) and write it there: now,
+        or in order on the writer's thread, ``held`` bytes waiting meanwhile."""
+        if name in self._names:
+            raise ValueError(f"tensor {name} written twice")
         if self._file is not None and self._entries and self._data_bytes + size > self.max_shard_bytes:
             self._close_shard()
         if self._file is None:
             self._file = open(self._partial(len(self._shards) + 1), "wb")
             self._file.seek(8 + self.header_reserve)
         if size:
-            self._write(self._file, tensor, size)
-        self._entries[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+            file = self._file
+            if self._ahead is None:
+                write(file)
+            else:
+                self._ahead.submit(lambda: write(file), held)
+        self._entries[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape),
                                "data_offsets": [self._data_bytes, self._data_bytes + size]}
         self._data_bytes += size
         self._names.add(name)
         self._total_bytes += size
-
-    def _write(self, file: BinaryIO, tensor: torch.Tensor, size: int) -> None:
-        def job() -> None:
-            file.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-
-        if self._ahead is None:
-            job()
-        else:
-            self._ahead.submit(job, size)
 
     def _partial(self, number: int) -> Path:
         return self.folder / f"model-{number:05d}.partial.safetensors"
@@ -331,6 +342,25 @@ class ShardedWriter:
         index = {"metadata": {"total_size": self._total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         return index
+
+
+def _copy_bytes(stored: StoredTensor, name: str, file: BinaryIO, block: int = 64 * 2**20) -> None:
+    """Append ``stored``'s bytes to ``file`` at its position, without reading them into Python where the kernel can
+    copy between the two files."""
+    file.flush()
+    at, done = file.tell(), 0
+    with open(stored.path, "rb") as source:
+        while done < stored.nbytes:
+            count = min(block, stored.nbytes - done)
+            try:
+                count = os.copy_file_range(source.fileno(), file.fileno(), count, stored.offset + done, at + done)
+            except (AttributeError, OSError):  # no copy_file_range here, or not between these two file systems
+                data = os.pread(source.fileno(), count, stored.offset + done)
+                count = os.pwrite(file.fileno(), data, at + done) if data else 0
+            if not count:
+                raise MlaconvError(f"{stored.path} ended inside tensor {name} (was it truncated while mlaconv ran?)")
+            done += count
+    file.seek(at + done)
 
 
 def parse_size(text: str) -> int:

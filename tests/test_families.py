@@ -19,7 +19,7 @@ from mlaconv.options import ConvertOptions
 from mlaconv.conversion import convert
 from mlaconv.pipeline import read_attention
 from mlaconv.errors import MlaconvError
-from mlaconv.families import FINAL_NORM, LM_HEAD, SourceWeights
+from mlaconv.families import DOWN, EMBED, FINAL_NORM, GATE, LM_HEAD, SourceWeights
 from mlaconv.io import CheckpointReader, read_config
 from mlaconv.models import load_causal_lm
 from mlaconv.reference import rms_norm
@@ -279,3 +279,16 @@ def test_a_float32_factorization_is_exact_to_float32_rounding(name, sources, tmp
     convert(str(sources[name]), tmp_path / "out", ConvertOptions(verify=False, **EXACT[name][1]))
     for tokens in (SHORT, LONG):
         assert rel_err(logits(tmp_path / "out", tokens), logits(sources[name], tokens)) <= 1e-4
+
+
+def test_only_what_a_family_leaves_as_it_is_is_copied_unread(sources):
+    """``SourceWeights.stored``: Phi-3's fused gate and Granite's folded multipliers (a tied head included) are read
+    and changed; the rest is the checkpoint's own bytes."""
+    def stored(name: str, i: int | None, key: str) -> bool:
+        reader = CheckpointReader(sources[name])
+        return SourceWeights(reader, SourceSpec.from_config(read_config(sources[name]))).stored(i, key) is not None
+
+    assert not stored("phi3, longrope", 0, GATE) and stored("phi3, longrope", 0, DOWN)
+    assert stored("phi3, longrope", None, LM_HEAD) and stored("granite, tied", 1, GATE)
+    assert not any(stored("granite, tied", i, key) for i, key in ((0, DOWN), (None, EMBED), (None, LM_HEAD)))
+    assert stored("granite, tied", None, FINAL_NORM) and stored("smollm3", 3, DOWN)

@@ -99,6 +99,7 @@ def test_a_truncated_pickle_checkpoint(src, tmp_path):
 
 
 @pytest.mark.parametrize("name, value", [("model.layers.1.mlp.down_proj.weight", float("nan")),
+                                         ("model.layers.1.mlp.gate_proj.weight", float("nan")),  # copied unread
                                          ("model.layers.0.self_attn.k_proj.weight", float("inf")),
                                          ("model.embed_tokens.weight", float("-inf"))])
 def test_nan_or_inf_weights(src, tmp_path, name, value):

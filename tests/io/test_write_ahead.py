@@ -96,9 +96,10 @@ def test_a_disk_that_fills_up_on_the_writer_thread(tmp_path, monkeypatch):
     assert not [t for t in threading.enumerate() if t.name.startswith(("mlaconv-writer", "mlaconv-layer"))]
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_layers_factored_on_threads_give_the_same_bytes(tmp_path, monkeypatch, workers):
-    src = make_model(tmp_path / "src", heads=4, kv_heads=2, hidden=32, head_dim=16, layers=5, dtype=torch.bfloat16)
+@pytest.mark.parametrize("workers, layers", [(2, 5), (3, 5), (2, 1)])
+def test_layers_factored_on_threads_give_the_same_bytes(tmp_path, monkeypatch, workers, layers):
+    """The outer tensors are written while the first layers are factored (with fewer layers than threads too)."""
+    src = make_model(tmp_path / "src", heads=4, kv_heads=2, hidden=32, head_dim=16, layers=layers, dtype=torch.bfloat16)
     outputs = {}
     for count in (1, workers):
         monkeypatch.setattr(conversion, "layer_workers", lambda plan, count=count: count)

@@ -162,6 +162,7 @@ class _WriteAhead:
         self.limit = limit
         self._jobs: list[tuple[Callable[[], None], int]] = []
         self._waiting = 0  # bytes of the jobs not yet done, the running one included
+        self._unfinished = 0  # jobs not yet done, the running one included (a copy holds no bytes)
         self._error: BaseException | None = None
         self._stop = False
         self._changed = threading.Condition()
@@ -175,12 +176,13 @@ class _WriteAhead:
             self._raise()
             self._jobs.append((job, nbytes))
             self._waiting += nbytes
+            self._unfinished += 1
             self._changed.notify_all()
 
     def drain(self) -> None:
         """Wait until every job submitted so far is done."""
         with self._changed:
-            while self._error is None and self._waiting:
+            while self._error is None and self._unfinished:
                 self._changed.wait()
             self._raise()
 
@@ -214,6 +216,7 @@ class _WriteAhead:
             del job  # the tensor goes as soon as it is written
             with self._changed:
                 self._waiting -= nbytes
+                self._unfinished -= 1
                 self._changed.notify_all()
 
 

@@ -1,0 +1,123 @@
+"""Source tensors that pass unchanged are copied file to file, unread (issue 16): the same bytes as reading and
+writing them, the same NaN/Inf refusal, and a clear error when the source is cut short."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import RANK, cli, hashes, make_model
+from mlaconv.errors import MlaconvError
+from mlaconv.io import CheckpointReader, ShardedWriter
+from mlaconv.io import writer as writer_module
+from mlaconv.io.layout import LayerWriter
+
+
+def _source(folder) -> dict[str, torch.Tensor]:
+    """A safetensors file of mixed dtypes and sizes (an empty tensor and a bool one among them)."""
+    tensors = {f"t{i}": torch.randn(3 + i, 5, generator=torch.Generator().manual_seed(i)).to(dtype)
+               for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float64] * 3)}
+    tensors |= {"empty": torch.zeros(0, 4), "flag": torch.tensor([True, False])}
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors")
+    return tensors
+
+
+def _write(folder, tensors, how, reader=None, reserve=8, ahead=0) -> dict[str, str]:
+    folder.mkdir()
+    with ShardedWriter(folder, max_shard_bytes=200, header_reserve=reserve, write_ahead=ahead) as writer:
+        for name, tensor in tensors.items():
+            writer.copy(name, reader.stored(name)) if how == "copy" else writer.add(name, tensor)
+        writer.finish()
+    return hashes(folder)
+
+
+@pytest.mark.parametrize("reserve", [8, 2**16])
+@pytest.mark.parametrize("ahead", [0, 100])
+def test_a_copied_tensor_is_written_as_adding_it_writes_it(tmp_path, reserve, ahead):
+    """Shards of 200 bytes (the header moved or not, on the writer's thread or not): the same files."""
+    tensors = _source(tmp_path / "src")
+    reader = CheckpointReader(tmp_path / "src")
+    added = _write(tmp_path / "added", tensors, "add", reserve=reserve, ahead=ahead)
+    copied = _write(tmp_path / "copied", tensors, "copy", reader, reserve=reserve, ahead=ahead)
+    assert copied == added and len(copied) > 3
+    read = {n: t for shard in (tmp_path / "copied").glob("*.safetensors") for n, t in load_file(shard).items()}
+    assert read.keys() == tensors.keys() and all(torch.equal(read[n], t) for n, t in tensors.items())
+
+
+@pytest.mark.parametrize("failure", ["missing", "exdev"])
+def test_without_the_kernel_copy_the_bytes_go_through_in_blocks(tmp_path, monkeypatch, failure):
+    """Where copy_file_range is absent (not Linux) or refused (two file systems), a block copy gives the same bytes."""
+    tensors = _source(tmp_path / "src")
+    reader = CheckpointReader(tmp_path / "src")
+    added = _write(tmp_path / "added", tensors, "add")
+    if failure == "missing":
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
+    else:
+        def refused(*args):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        monkeypatch.setattr(os, "copy_file_range", refused)
+    monkeypatch.setattr(writer_module._copy_bytes, "__defaults__", (7,))  # blocks of 7 bytes: many per tensor
+    assert _write(tmp_path / "copied", tensors, "copy", reader) == added
+
+
+def test_a_source_cut_short_while_copying_is_an_error(tmp_path):
+    _source(tmp_path / "src")
+    reader = CheckpointReader(tmp_path / "src")
+    stored = reader.stored("t11")
+    with open(tmp_path / "src" / "model.safetensors", "r+b") as handle:
+        handle.truncate(stored.offset + 3)
+    (tmp_path / "out").mkdir()
+    with ShardedWriter(tmp_path / "out") as writer, pytest.raises(MlaconvError, match="ended inside tensor t11"):
+        writer.copy("t11", stored)
+
+
+def test_stored_refuses_nan_and_gives_nothing_for_a_pickle(tmp_path):
+    tensors = _source(tmp_path / "src")
+    tensors["t1"][2, 3] = float("nan")
+    save_file(tensors, tmp_path / "src" / "model.safetensors")
+    reader = CheckpointReader(tmp_path / "src")
+    assert reader.stored("t0").nbytes == tensors["t0"].numel() * 4
+    with pytest.raises(MlaconvError, match="tensor t1 in model.safetensors contains NaN or Inf"):
+        reader.stored("t1")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    torch.save({"w": torch.ones(2)}, pickled / "pytorch_model.bin")
+    with pytest.warns(UserWarning, match="pickle"):
+        assert CheckpointReader(pickled).stored("w") is None
+
+
+@pytest.mark.parametrize("eps, dtype, copied_down", [(1e-6, None, True), (1e-5, None, False),
+                                                     (1e-6, "bfloat16", False)])
+def test_unchanged_tensors_are_copied_and_the_output_is_the_same(tmp_path, monkeypatch, eps, dtype, copied_down):
+    """The MLP and norms are copied unread when nothing changes them (down_proj and the embedding only while the
+    residual rescale is 1, i.e. ε = 1e-6; nothing once the dtype changes); the files are those of reading and
+    writing every tensor."""
+    src = make_model(tmp_path / "src", heads=4, kv_heads=2, hidden=32, head_dim=16, layers=3, eps=eps)
+    extra = ["--dtype", dtype] if dtype else []
+    copied: list[str] = []
+    copy = ShardedWriter.copy
+    monkeypatch.setattr(ShardedWriter, "copy", lambda self, name, stored: (copied.append(name),
+                                                                           copy(self, name, stored)))
+    assert cli(src, tmp_path / "out", *RANK, *extra).exit_code == 0  # one path: the report and card name it
+    with_copies = hashes(tmp_path / "out")
+    monkeypatch.setattr(LayerWriter, "_source", _read_and_write)
+    assert cli(src, tmp_path / "out", *RANK, *extra, "--force").exit_code == 0
+    assert hashes(tmp_path / "out") == with_copies
+    if dtype:
+        assert copied == []
+    else:
+        assert {"lm_head.weight", "model.norm.weight", "model.layers.2.mlp.up_proj.weight",
+                "model.layers.0.post_attention_layernorm.weight"} <= set(copied)
+    assert ("model.layers.1.mlp.down_proj.weight" in copied) == copied_down
+    assert ("model.embed_tokens.weight" in copied) == copied_down
+
+
+def _read_and_write(self, name, i, key, alpha=1.0):
+    from mlaconv.io.layout import scaled
+
+    self.writer.add(name, scaled(self.weights.tensor(i, key), alpha, self.dtype))

@@ -3,10 +3,11 @@
 One pass over the source (``pipeline.source_layers``) feeds each layer to a conversion step (``WeightsOnly``, or
 ``calibrated.CalibratedSteps``; the bench baselines plug in theirs) and the step's output to the ``LayerWriter``
 (``write_tensors``). Memory: one source tensor group (a layer's attention or MLP) is in memory at a time, plus the
-calibration activations when calibrated; the writer puts each tensor in its shard file as it is added, and the
-output folder appears only when complete. Weights only with one-thread operators and a spare core
-(``spare_core``), two layers are factored at once and the writer's own thread writes while they are (up to
-``WRITE_AHEAD_BYTES`` waiting): the same bytes, sooner.
+calibration activations when calibrated; the writer puts each tensor in its shard file as it is added (a tensor that
+passes unchanged is copied there from the source file unread, ``LayerWriter``), and the output folder appears only
+when complete. Weights only with one-thread operators and a spare core (``spare_core``), two layers are factored at
+once, the outer tensors are written while the first two are, and the writer's own thread writes while they are (up
+to ``WRITE_AHEAD_BYTES`` waiting): the same bytes, sooner.
 """
 
 from __future__ import annotations

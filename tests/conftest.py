@@ -27,7 +27,7 @@ def make_model(path: Path, family: str = "llama", *, heads: int = 4, kv_heads: i
     config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                         num_attention_heads=heads, num_key_value_heads=kv_heads,
                         head_dim=head_dim or hidden // heads, rms_norm_eps=eps, max_position_embeddings=256,
-                        tie_word_embeddings=False, **extra)
+                        **{"tie_word_embeddings": False, **extra})
     model = model_cls(config)
     with torch.no_grad():
         for name, p in model.named_parameters():

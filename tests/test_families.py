@@ -19,7 +19,7 @@ from mlaconv.options import ConvertOptions
 from mlaconv.conversion import convert
 from mlaconv.pipeline import read_attention
 from mlaconv.errors import MlaconvError
-from mlaconv.families import DOWN, EMBED, FINAL_NORM, GATE, LM_HEAD, SourceWeights
+from mlaconv.families import DOWN, EMBED, FINAL_NORM, GATE, LM_HEAD, Family, SourceWeights
 from mlaconv.io import CheckpointReader, read_config
 from mlaconv.models import load_causal_lm
 from mlaconv.reference import rms_norm
@@ -286,9 +286,23 @@ def test_only_what_a_family_leaves_as_it_is_is_copied_unread(sources):
     and changed; the rest is the checkpoint's own bytes."""
     def stored(name: str, i: int | None, key: str) -> bool:
         reader = CheckpointReader(sources[name])
-        return SourceWeights(reader, SourceSpec.from_config(read_config(sources[name]))).stored(i, key) is not None
+        spec = SourceSpec.from_config(read_config(sources[name]))
+        return SourceWeights(reader, spec).stored(i, key, torch.float32) is not None
 
     assert not stored("phi3, longrope", 0, GATE) and stored("phi3, longrope", 0, DOWN)
     assert stored("phi3, longrope", None, LM_HEAD) and stored("granite, tied", 1, GATE)
     assert not any(stored("granite, tied", i, key) for i, key in ((0, DOWN), (None, EMBED), (None, LM_HEAD)))
     assert stored("granite, tied", None, FINAL_NORM) and stored("smollm3", 3, DOWN)
+    reader = CheckpointReader(sources["smollm3"])
+    spec = SourceSpec.from_config(read_config(sources["smollm3"]))
+    assert SourceWeights(reader, spec).stored(3, DOWN, torch.bfloat16) is None  # another dtype: read and cast
+
+
+def test_a_family_that_reads_its_own_way_names_what_it_stores():
+    """A tensor is copied unread by ``stored_name`` and ``factor``: a family that slices in ``read`` must say so in
+    ``stored_name``, and folds go through ``factor`` (``modify`` applies it), never around it."""
+    families = Family.__subclasses__()
+    assert {f.__name__ for f in families} >= {"Phi3", "Granite", "SmolLM3"}
+    for family in families:
+        assert "modify" not in vars(family)
+        assert ("read" in vars(family)) <= ("stored_name" in vars(family)), family.__name__

@@ -6,7 +6,7 @@ One pass over the source (``pipeline.source_layers``) feeds each layer to a conv
 calibration activations when calibrated; the writer puts each tensor in its shard file as it is added (a tensor that
 passes unchanged is copied there from the source file unread, ``LayerWriter``), and the output folder appears only
 when complete. Weights only with one-thread operators and a spare core (``spare_core``), two layers are factored at
-once, the outer tensors are written while the first two are, and the writer's own thread writes while they are (up
+once, the outer tensors are written while the first layers are, and the writer's own thread writes while they are (up
 to ``WRITE_AHEAD_BYTES`` waiting): the same bytes, sooner.
 """
 
@@ -78,7 +78,7 @@ class WeightsOnly:
     def __call__(self, layer: SourceLayer) -> dict[str, MLAAttention]:
         return self._collect(self._convert(layer.attention))
 
-    def ahead(self, layers: Iterable[SourceLayer], start: Callable[[], None] = lambda: None
+    def ahead(self, layers: Iterable[SourceLayer], start: Callable[[], None]
               ) -> Iterator[tuple[int, dict[str, MLAAttention]]]:
         """(index, models) of every layer in order; ``start`` runs here once the first layers are on the threads (the
         outer tensors are written meanwhile). The weights are read here, in order (the reader and a fused tensor's

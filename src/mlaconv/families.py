@@ -4,8 +4,10 @@ Everything downstream of ``SourceWeights`` sees one canonical layout, Llama's: `
 ``v_proj``/``o_proj``, a SwiGLU MLP and two RMSNorms per layer, rotate-half RoPE over the whole head,
 softmax scale d^-½, no multipliers. A family only says how its checkpoint maps onto that layout:
 
-- ``read``: where a canonical tensor comes from (Phi-3 slices it out of a fused tensor);
-- ``modify``: what to fold into it (Granite's multipliers);
+- ``read``: where a canonical tensor comes from (Phi-3 slices it out of a fused tensor), and ``stored_name``, the
+  checkpoint tensor it is when it is one whole;
+- ``factor``: what to fold into it (Granite's multipliers), which ``modify`` applies; a tensor neither sliced nor
+  folded is copied into the output unread;
 - ``rope_layers``: which layers rotate at all (SmolLM3 leaves every fourth without RoPE).
 
 A family with ``qk_norm`` (Qwen3) also RMS-normalises each query and key head before RoPE; its layers carry
@@ -94,13 +96,16 @@ class Family:
         """The checkpoint tensor that ``read`` returns whole for ``key`` (None: it is sliced out of another)."""
         return key if i is None else layer_name(i, key)
 
-    def modify(self, spec: "SourceSpec", key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Fold what the family computes around a tensor into it (nothing for Llama's layout)."""
-        return tensor
+    def factor(self, spec: "SourceSpec", key: str) -> float:
+        """What the family multiplies around canonical tensor ``key`` (nothing for Llama's layout)."""
+        return 1.0
 
-    def folds(self, spec: "SourceSpec", key: str) -> bool:
-        """Whether ``modify`` changes ``key``."""
-        return False
+    def modify(self, spec: "SourceSpec", key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Fold ``factor`` into the tensor (the tensor itself when it is 1)."""
+        factor = self.factor(spec, key)
+        if factor == 1.0:
+            return tensor
+        return tensor.to(torch.promote_types(tensor.dtype, torch.float32)) * factor
 
 
 _PHI3_FUSED = {Q + W: ("self_attn.qkv_proj.weight", 0), K + W: ("self_attn.qkv_proj.weight", 1),
@@ -142,16 +147,7 @@ class Granite(Family):
         for key in self.MULTIPLIERS:
             _multiplier(config, key)
 
-    def modify(self, spec: "SourceSpec", key: str, tensor: torch.Tensor) -> torch.Tensor:
-        factor = self._factor(spec, key)
-        if factor == 1.0:
-            return tensor
-        return tensor.to(torch.promote_types(tensor.dtype, torch.float32)) * factor
-
-    def folds(self, spec: "SourceSpec", key: str) -> bool:
-        return self._factor(spec, key) != 1.0
-
-    def _factor(self, spec: "SourceSpec", key: str) -> float:
+    def factor(self, spec: "SourceSpec", key: str) -> float:
         c = spec.config
         residual = _multiplier(c, "residual_multiplier")
         query = _multiplier(c, "attention_multiplier") * math.sqrt(spec.head_dim)  # transformers: 1.0 if unset
@@ -206,11 +202,12 @@ class SourceWeights:
         """One canonical tensor: layer ``i``'s ``key`` (top level when None), read and folded."""
         return self.family.modify(self.spec, key, self.family.read(self._get, self.spec, i, self._source_key(i, key)))
 
-    def stored(self, i: int | None, key: str) -> "StoredTensor | None":
-        """Where the canonical tensor lies as it is in the checkpoint, checked (``CheckpointReader.stored``), for
-        copying its bytes unread; None when the family slices or folds it, or the checkpoint is a pickle."""
+    def stored(self, i: int | None, key: str, dtype: torch.dtype) -> "StoredTensor | None":
+        """Where the canonical tensor lies as it is, in ``dtype``, in the checkpoint, checked
+        (``CheckpointReader.stored``), for copying its bytes unread; None when the family slices or folds it, it is
+        in another dtype, or the checkpoint is a pickle."""
         name = self.family.stored_name(self.spec, i, self._source_key(i, key))
-        if name is None or self.family.folds(self.spec, key):
+        if name is None or self.family.factor(self.spec, key) != 1.0 or self.reader.dtype(name) != dtype:
             return None
         return self.reader.stored(name)
 

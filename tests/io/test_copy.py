@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import RANK, cli, hashes, make_model
+from conftest import RANK, assert_refused, cli, hashes, make_model
+from mlaconv import conversion
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, ShardedWriter
 from mlaconv.io import writer as writer_module
-from mlaconv.io.layout import LayerWriter
+from mlaconv.io.layout import LayerWriter, scaled
+from mlaconv.io.source import read_safetensors_header
 
 
 def _source(folder) -> dict[str, torch.Tensor]:
@@ -27,53 +30,75 @@ def _source(folder) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _write(folder, tensors, how, reader=None, reserve=8, ahead=0) -> dict[str, str]:
+def _write(folder, tensors, copied, reader=None, reserve=8, ahead=0) -> dict[str, str]:
+    """Shards of 200 bytes; tensor number k is copied from ``reader`` when ``copied(k)``, else added."""
     folder.mkdir()
     with ShardedWriter(folder, max_shard_bytes=200, header_reserve=reserve, write_ahead=ahead) as writer:
-        for name, tensor in tensors.items():
-            writer.copy(name, reader.stored(name)) if how == "copy" else writer.add(name, tensor)
+        for k, (name, tensor) in enumerate(tensors.items()):
+            writer.copy(name, reader.stored(name)) if copied(k) else writer.add(name, tensor)
         writer.finish()
     return hashes(folder)
 
 
 @pytest.mark.parametrize("reserve", [8, 2**16])
 @pytest.mark.parametrize("ahead", [0, 100])
-def test_a_copied_tensor_is_written_as_adding_it_writes_it(tmp_path, reserve, ahead):
+@pytest.mark.parametrize("copied", [lambda k: True, lambda k: k % 2 == 1], ids=["all copied", "copy and add in turn"])
+def test_a_copied_tensor_is_written_as_adding_it_writes_it(tmp_path, reserve, ahead, copied):
     """Shards of 200 bytes (the header moved or not, on the writer's thread or not): the same files."""
     tensors = _source(tmp_path / "src")
     reader = CheckpointReader(tmp_path / "src")
-    added = _write(tmp_path / "added", tensors, "add", reserve=reserve, ahead=ahead)
-    copied = _write(tmp_path / "copied", tensors, "copy", reader, reserve=reserve, ahead=ahead)
-    assert copied == added and len(copied) > 3
+    added = _write(tmp_path / "added", tensors, lambda k: False, reserve=reserve, ahead=ahead)
+    written = _write(tmp_path / "copied", tensors, copied, reader, reserve=reserve, ahead=ahead)
+    assert written == added and len(written) > 3
     read = {n: t for shard in (tmp_path / "copied").glob("*.safetensors") for n, t in load_file(shard).items()}
     assert read.keys() == tensors.keys() and all(torch.equal(read[n], t) for n, t in tensors.items())
 
 
-@pytest.mark.parametrize("failure", ["missing", "exdev"])
-def test_without_the_kernel_copy_the_bytes_go_through_in_blocks(tmp_path, monkeypatch, failure):
-    """Where copy_file_range is absent (not Linux) or refused (two file systems), a block copy gives the same bytes."""
-    tensors = _source(tmp_path / "src")
-    reader = CheckpointReader(tmp_path / "src")
-    added = _write(tmp_path / "added", tensors, "add")
+def _kernel_copy(monkeypatch, failure: str) -> None:
+    """copy_file_range missing (not Linux), refused (two file systems) or copying nothing (some kernels)."""
     if failure == "missing":
         monkeypatch.delattr(os, "copy_file_range", raising=False)
-    else:
+    elif failure == "exdev":
         def refused(*args):
             raise OSError(errno.EXDEV, "Invalid cross-device link")
         monkeypatch.setattr(os, "copy_file_range", refused)
+    else:
+        monkeypatch.setattr(os, "copy_file_range", lambda *args: 0)
     monkeypatch.setattr(writer_module._copy_bytes, "__defaults__", (7,))  # blocks of 7 bytes: many per tensor
-    assert _write(tmp_path / "copied", tensors, "copy", reader) == added
 
 
-def test_a_source_cut_short_while_copying_is_an_error(tmp_path):
+@pytest.mark.parametrize("failure", ["missing", "exdev", "nothing copied"])
+def test_without_the_kernel_copy_the_bytes_go_through_in_blocks(tmp_path, monkeypatch, failure):
+    tensors = _source(tmp_path / "src")
+    reader = CheckpointReader(tmp_path / "src")
+    added = _write(tmp_path / "added", tensors, lambda k: False)
+    _kernel_copy(monkeypatch, failure)
+    assert _write(tmp_path / "copied", tensors, lambda k: True, reader) == added
+
+
+@pytest.mark.parametrize("failure", [None, "nothing copied"])
+@pytest.mark.parametrize("when", ["before the check", "after the check"])
+def test_a_source_cut_short_is_an_error(tmp_path, monkeypatch, failure, when):
     _source(tmp_path / "src")
     reader = CheckpointReader(tmp_path / "src")
-    stored = reader.stored("t11")
-    with open(tmp_path / "src" / "model.safetensors", "r+b") as handle:
-        handle.truncate(stored.offset + 3)
-    (tmp_path / "out").mkdir()
-    with ShardedWriter(tmp_path / "out") as writer, pytest.raises(MlaconvError, match="ended inside tensor t11"):
-        writer.copy("t11", stored)
+    if failure:
+        _kernel_copy(monkeypatch, failure)
+    entry = read_safetensors_header(tmp_path / "src" / "model.safetensors")["t11"]
+
+    def cut() -> None:
+        with open(tmp_path / "src" / "model.safetensors", "r+b") as handle:
+            handle.truncate(entry.offset + 3)
+
+    if when == "before the check":
+        cut()
+        with pytest.raises(MlaconvError, match="ended inside tensor t11"):
+            reader.stored("t11")
+    else:
+        stored = reader.stored("t11")
+        cut()
+        (tmp_path / "out").mkdir()
+        with ShardedWriter(tmp_path / "out") as writer, pytest.raises(MlaconvError, match="ended inside tensor t11"):
+            writer.copy("t11", stored)
 
 
 def test_stored_refuses_nan_and_gives_nothing_for_a_pickle(tmp_path):
@@ -91,13 +116,22 @@ def test_stored_refuses_nan_and_gives_nothing_for_a_pickle(tmp_path):
         assert CheckpointReader(pickled).stored("w") is None
 
 
-@pytest.mark.parametrize("eps, dtype, copied_down", [(1e-6, None, True), (1e-5, None, False),
-                                                     (1e-6, "bfloat16", False)])
-def test_unchanged_tensors_are_copied_and_the_output_is_the_same(tmp_path, monkeypatch, eps, dtype, copied_down):
+MLP = {"model.norm.weight", "model.layers.2.mlp.up_proj.weight", "model.layers.0.post_attention_layernorm.weight"}
+SCALED = {"model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight"}
+
+
+@pytest.mark.parametrize("eps, tied, dtype, expected", [
+    (1e-6, False, None, MLP | SCALED | {"lm_head.weight"}),
+    (1e-5, False, None, MLP | {"lm_head.weight"}),  # α ≠ 1: down_proj and the embedding are scaled
+    (1e-5, True, None, MLP | {"lm_head.weight"}),  # the tied head: the embedding's bytes, unscaled
+    (1e-6, False, "bfloat16", set()),
+])
+def test_unchanged_tensors_are_copied_and_the_output_is_the_same(tmp_path, monkeypatch, eps, tied, dtype, expected):
     """The MLP and norms are copied unread when nothing changes them (down_proj and the embedding only while the
     residual rescale is 1, i.e. ε = 1e-6; nothing once the dtype changes); the files are those of reading and
     writing every tensor."""
-    src = make_model(tmp_path / "src", heads=4, kv_heads=2, hidden=32, head_dim=16, layers=3, eps=eps)
+    src = make_model(tmp_path / "src", heads=4, kv_heads=2, hidden=32, head_dim=16, layers=3, eps=eps,
+                     tie_word_embeddings=tied)
     extra = ["--dtype", dtype] if dtype else []
     copied: list[str] = []
     copy = ShardedWriter.copy
@@ -108,16 +142,24 @@ def test_unchanged_tensors_are_copied_and_the_output_is_the_same(tmp_path, monke
     monkeypatch.setattr(LayerWriter, "_source", _read_and_write)
     assert cli(src, tmp_path / "out", *RANK, *extra, "--force").exit_code == 0
     assert hashes(tmp_path / "out") == with_copies
-    if dtype:
-        assert copied == []
-    else:
-        assert {"lm_head.weight", "model.norm.weight", "model.layers.2.mlp.up_proj.weight",
-                "model.layers.0.post_attention_layernorm.weight"} <= set(copied)
-    assert ("model.layers.1.mlp.down_proj.weight" in copied) == copied_down
-    assert ("model.embed_tokens.weight" in copied) == copied_down
+    assert expected <= set(copied) and not (SCALED - expected) & set(copied)
+    assert bool(copied) == bool(expected)
 
 
 def _read_and_write(self, name, i, key, alpha=1.0):
-    from mlaconv.io.layout import scaled
-
     self.writer.add(name, scaled(self.weights.tensor(i, key), alpha, self.dtype))
+
+
+def test_an_error_in_the_outer_tensors_beside_the_layer_threads(tmp_path, monkeypatch):
+    """NaN in the head, found while the first layers are factored on their threads: the one-line error, no thread
+    left, nothing written."""
+    src = make_model(tmp_path / "src", heads=4, kv_heads=2, hidden=32, head_dim=16, layers=4)
+    state = load_file(src / "model.safetensors")
+    state["lm_head.weight"][1, 2] = float("nan")
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setattr(conversion, "spare_core", lambda: True)
+    monkeypatch.setattr(conversion, "layer_workers", lambda plan: 2)
+    before = hashes(src)
+    assert_refused(cli(src, tmp_path / "out", *RANK), tmp_path / "out", src, before,
+                   "tensor lm_head.weight in model.safetensors contains NaN or Inf")
+    assert not [t for t in threading.enumerate() if t.name.startswith(("mlaconv-writer", "mlaconv-layer"))]

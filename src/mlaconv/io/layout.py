@@ -66,12 +66,12 @@ class LayerWriter:
     def _source(self, name: str, i: int | None, key: str, alpha: float = 1.0) -> None:
         """A source tensor (layer ``i``'s ``key``) as ``name``, scaled by ``alpha``: its bytes copied unread when
         they are the output's (``SourceWeights.stored``), else read, scaled and cast."""
-        stored = self.weights.stored(i, key) if alpha == 1.0 else None
-        if stored is not None and stored.dtype == self.dtype:
+        if alpha != 1.0:
+            self.writer.add(name, scaled(self.weights.tensor(i, key), alpha, self.dtype))
+        elif (stored := self.weights.stored(i, key, self.dtype)) is not None:
             self.writer.copy(name, stored)
         else:
-            tensor = self.weights.tensor(i, key)
-            self.writer.add(name, tensor.to(self.dtype) if alpha == 1.0 else scaled(tensor, alpha, self.dtype))
+            self.writer.add(name, self.weights.tensor(i, key).to(self.dtype))
 
     def _attention(self, mla: MLAAttention) -> dict[str, torch.Tensor]:
         return {name: t.to(self.dtype) for name, t in deepseek.attention_tensors(mla, self.biases).items()}

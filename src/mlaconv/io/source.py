@@ -116,9 +116,10 @@ class CheckpointReader:
     """Lazy, read-only access to the tensors of a checkpoint folder.
 
     Only the tensor asked for is read, with plain file reads at the offsets of the safetensors
-    header (no memory map, so a large shard adds nothing to the resident memory but the tensor).
+    header (so a large shard adds nothing to the resident memory but the tensor), or, for a tensor
+    copied unread (``stored``), mapped from the file only for its check.
     Shapes and dtypes come from the headers alone, which are checked against each file's size.
-    Every floating-point tensor read is checked for NaN and Inf.
+    Every floating-point tensor read or copied is checked for NaN and Inf.
     """
 
     def __init__(self, folder: Path):
@@ -168,18 +169,18 @@ class CheckpointReader:
             tensor = _read_tensor(self._entries[self._known(name)], name)
         else:
             tensor = self._bin_tensor(name).clone()
-        if tensor.is_floating_point() and tensor.element_size() > 1 and not _all_finite(tensor):
+        if _checked(tensor.dtype) and not _all_finite(tensor):
             raise MlaconvError(_non_finite(name, self._file_of[name]))
         return tensor
 
     def stored(self, name: str) -> StoredTensor | None:
         """Where tensor ``name`` lies in its safetensors file, for copying its bytes unread
-        (``ShardedWriter.copy``); checked for NaN and Inf through a read-only mapping of the file, so nothing is
-        copied into memory. None for a pickle checkpoint."""
+        (``ShardedWriter.copy``); checked for NaN and Inf through a mapping of the file, so nothing is copied into
+        memory. None for a pickle checkpoint."""
         if self.format != "safetensors":
             return None
         entry = self._entries[self._known(name)]
-        if entry.dtype.is_floating_point and _element_size(entry.dtype) > 1 and not _mapped_finite(entry, name):
+        if _checked(entry.dtype) and not _mapped_finite(entry, name):
             raise MlaconvError(_non_finite(name, entry.path))
         return entry
 
@@ -202,6 +203,15 @@ class CheckpointReader:
         if name not in self._bin_state:
             raise MlaconvError(f"the index lists {name} in {path.name}, but that file lacks it")
         return self._bin_state[name]
+
+
+def _checked(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` are checked for NaN and Inf (8-bit floats are left as they are)."""
+    return dtype.is_floating_point and _element_size(dtype) > 1
+
+
+def cut_short(path: Path, name: str) -> MlaconvError:
+    return MlaconvError(f"{path} ended inside tensor {name} (was it truncated while mlaconv ran?)")
 
 
 def _non_finite(name: str, path: Path) -> str:
@@ -271,33 +281,29 @@ def _read_tensor(entry: StoredTensor, name: str) -> torch.Tensor:
         while done < entry.nbytes:  # one read returns at most ~2 GiB on Linux
             count = handle.readinto(view[done:])
             if not count:
-                raise MlaconvError(f"{entry.path} ended inside tensor {name} (was it truncated while mlaconv ran?)")
+                raise cut_short(entry.path, name)
             done += count
     return data.view(entry.dtype).reshape(entry.shape)
 
 
 def _mapped_finite(entry: StoredTensor, name: str) -> bool:
-    """``_all_finite`` of a tensor read through a read-only shared mapping of its file (populated at once where the
-    system allows): the page cache's own pages, no copy."""
+    """``_all_finite`` of a tensor seen through a copy-on-write mapping of its file: the page cache's own pages,
+    no copy (nothing writes to them)."""
     if not entry.nbytes:
         return True
     start = entry.offset - entry.offset % mmap.ALLOCATIONGRANULARITY
     with open(entry.path, "rb") as handle:
         if os.fstat(handle.fileno()).st_size < entry.offset + entry.nbytes:  # mapped past the end: SIGBUS, not an error
-            raise MlaconvError(f"{entry.path} ended inside tensor {name} (was it truncated while mlaconv ran?)")
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapped = mmap.mmap(handle.fileno(), entry.offset + entry.nbytes - start, flags=flags, prot=mmap.PROT_READ,
+            raise cut_short(entry.path, name)
+        mapped = mmap.mmap(handle.fileno(), entry.offset + entry.nbytes - start, access=mmap.ACCESS_COPY,
                            offset=start)
-    try:
-        with warnings.catch_warnings():  # torch warns that the buffer is read-only; nothing writes to it
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.frombuffer(mapped, dtype=entry.dtype, count=entry.nbytes // _element_size(entry.dtype),
-                                      offset=entry.offset - start)
-        finite = _all_finite(tensor)
-        del tensor
-    finally:
-        mapped.close()
-    return finite
+    with mapped:
+        tensor = torch.frombuffer(mapped, dtype=entry.dtype, count=entry.nbytes // _element_size(entry.dtype),
+                                  offset=entry.offset - start)
+        try:
+            return _all_finite(tensor)
+        finally:
+            del tensor  # before the mapping closes
 
 
 def _element_size(dtype: torch.dtype) -> int:

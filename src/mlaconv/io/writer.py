@@ -22,7 +22,7 @@ from typing import BinaryIO, Callable, Iterator
 import torch
 
 from mlaconv.errors import MlaconvError
-from mlaconv.io.source import SAFETENSORS_DTYPES, StoredTensor
+from mlaconv.io.source import SAFETENSORS_DTYPES, StoredTensor, cut_short
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
 HEADER_RESERVE = 64 * 2**10  # bytes kept for a shard's header: ~400 tensor entries
@@ -156,7 +156,7 @@ def atomic_output_file(out: Path, force: bool = False) -> Iterator[Path]:
 
 class _WriteAhead:
     """One thread that runs write jobs in order, holding at most ``limit`` bytes of tensors that wait (a
-    larger tensor waits alone). The first error is raised in the caller at its next ``submit`` or ``join``."""
+    larger tensor waits alone). The first error is raised in the caller at its next ``submit`` or ``drain``."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -349,19 +349,21 @@ class ShardedWriter:
 
 def _copy_bytes(stored: StoredTensor, name: str, file: BinaryIO, block: int = 64 * 2**20) -> None:
     """Append ``stored``'s bytes to ``file`` at its position, without reading them into Python where the kernel can
-    copy between the two files."""
+    copy between the two files; else, or where it copies nothing (some kernels between file systems), in blocks."""
     file.flush()
     at, done = file.tell(), 0
     with open(stored.path, "rb") as source:
         while done < stored.nbytes:
-            count = min(block, stored.nbytes - done)
+            size = min(block, stored.nbytes - done)
             try:
-                count = os.copy_file_range(source.fileno(), file.fileno(), count, stored.offset + done, at + done)
+                count = os.copy_file_range(source.fileno(), file.fileno(), size, stored.offset + done, at + done)
             except (AttributeError, OSError):  # no copy_file_range here, or not between these two file systems
-                data = os.pread(source.fileno(), count, stored.offset + done)
-                count = os.pwrite(file.fileno(), data, at + done) if data else 0
+                count = 0
             if not count:
-                raise MlaconvError(f"{stored.path} ended inside tensor {name} (was it truncated while mlaconv ran?)")
+                data = os.pread(source.fileno(), size, stored.offset + done)
+                if not data:
+                    raise cut_short(stored.path, name)
+                count = os.pwrite(file.fileno(), data, at + done)
             done += count
     file.seek(at + done)
 

@@ -17,7 +17,7 @@ import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import closing, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol, TypeVar
@@ -129,6 +129,24 @@ def spare_core() -> bool:
     return torch.get_num_threads() == 1 and (os.cpu_count() or 1) > 1
 
 
+@contextmanager
+def weights_only_operators(weights_only: bool) -> Iterator[None]:
+    """One-thread operators for a weights-only layer pass on a 2-core machine whose user set no thread count
+    (``OMP_NUM_THREADS``), as that setting would: two layers then run at once beside the writer's thread
+    (``spare_core``). Llama-3.2-1B-shaped, 8.6–8.9 s against 10.6 s with torch's two threads per operator
+    (bench/README, "Weights-only speed"); more cores are left to torch (not measured). Torch's setting comes back
+    after the pass, for the checks that follow."""
+    before = torch.get_num_threads()
+    if not weights_only or os.cpu_count() != 2 or "OMP_NUM_THREADS" in os.environ or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def layer_workers(plan: Plan) -> int:
     """Layers factored at once in a weights-only conversion: two with a ``spare_core`` where one layer's float64
     working set (about five copies of its attention weights; 0.4 GB for Llama-3.2-1B, 6 GB for Llama-3-70B) is
@@ -153,22 +171,23 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
 
         plan, streamer, refinement, shape_search = calibrated.prepare(plan, options, progress)
     plan = with_rope_stride(plan, progress)
-    step: LayerStep = (calibrated.CalibratedSteps(plan, options, streamer, refinement) if streamer else
-                       WeightsOnly(plan, dtype, layer_workers(plan)))
     attention_bias = bool(spec.qkv_bias or spec.o_bias) and plan.layer.biases
-
-    # Weights only with a spare core: freed memory reused (io.heap), and the writer's own thread writes each tensor
-    # while the next ones are computed (stopped before tmp is removed). Not calibrated, whose peak is close to its
-    # 1.5 GB goal.
-    threads = streamer is None and spare_core()
-    heap = heap_reuse() if threads else nullcontext()
-    write_ahead = WRITE_AHEAD_BYTES if threads else 0
     with atomic_output_dir(out, force=options.force) as tmp:
-        with heap, ShardedWriter(tmp, options.shard_size, write_ahead=write_ahead) as writer:
-            output = LayerWriter(writer, reader, spec, plan.layer.residual_scale, dtype, attention_bias,
-                                 tmp / ".pending")
-            write_tensors(output, source_layers(reader, spec, streamer, progress, "converting layers"), step, progress)
-            writer.finish()
+        with weights_only_operators(streamer is None):
+            step: LayerStep = (calibrated.CalibratedSteps(plan, options, streamer, refinement) if streamer else
+                               WeightsOnly(plan, dtype, layer_workers(plan)))
+            # Weights only with a spare core: freed memory reused (io.heap), and the writer's own thread writes each
+            # tensor while the next ones are computed (stopped before tmp is removed). Not calibrated, whose peak is
+            # close to its 1.5 GB goal.
+            threads = streamer is None and spare_core()
+            heap = heap_reuse() if threads else nullcontext()
+            write_ahead = WRITE_AHEAD_BYTES if threads else 0
+            with heap, ShardedWriter(tmp, options.shard_size, write_ahead=write_ahead) as writer:
+                output = LayerWriter(writer, reader, spec, plan.layer.residual_scale, dtype, attention_bias,
+                                     tmp / ".pending")
+                write_tensors(output, source_layers(reader, spec, streamer, progress, "converting layers"), step,
+                              progress)
+                writer.finish()
         reader.close()
 
         config, rope_rewrite = output_config(spec, plan.shapes, plan.layer.rope_stride, options.target, attention_bias,

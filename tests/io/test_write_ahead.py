@@ -146,3 +146,24 @@ def test_sigterm_while_the_writer_thread_writes_removes_the_temporary_folder(tmp
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr and "interrupted: nothing was written to the output" in stderr
     assert not temporary.exists() and not out.exists() and leftovers(out) == []
+
+
+@pytest.mark.parametrize("cores, omp, weights_only, inside", [(2, None, True, 1), (2, "2", True, 2), (2, None, False, 2),
+                                                               (4, None, True, 2)])
+def test_a_weights_only_pass_on_two_cores_runs_one_thread_operators(monkeypatch, cores, omp, weights_only, inside):
+    """As OMP_NUM_THREADS=1 would, unless the user set a thread count, or the pass is calibrated, or there are more
+    cores; torch's setting comes back after the pass, even after an error."""
+    monkeypatch.setattr(conversion.os, "cpu_count", lambda: cores)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="inside"), conversion.weights_only_operators(weights_only):
+            assert torch.get_num_threads() == inside
+            raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -163,8 +164,9 @@ def measure(command: list[str], cleanup: Path | None = None) -> dict:
 
 
 def fastest(trials: list[dict]) -> dict:
-    """The fastest trial, with every trial's wall seconds, peak RSS and load averages beside it."""
-    return min(trials, key=lambda t: t["seconds"]) | {"all_seconds": [t["seconds"] for t in trials],
+    """The fastest trial, with the median and every trial's wall seconds, peak RSS and load averages beside it."""
+    return min(trials, key=lambda t: t["seconds"]) | {"median_seconds": statistics.median(t["seconds"] for t in trials),
+                                                       "all_seconds": [t["seconds"] for t in trials],
                                                        "all_peak_rss_bytes": [t["peak_rss_bytes"] for t in trials],
                                                        "all_loadavg": [t["loadavg"] for t in trials]}
 
@@ -346,15 +348,13 @@ def main() -> None:
     factor = added / (attention_elements(LLAMA_32_1B) * 8)
     results["attention_factor"] = factor
 
+    ranks, calib = (args.rank, args.rope_dim), (args.calib_windows, args.calib_window)
     models = {
-        f"{LLAMA_32_1B.name}, weights only": memory_model(LLAMA_32_1B, args.rank, args.rope_dim, factor),
-        f"{LLAMA_32_1B.name}, calibrated {args.calib_windows}×{args.calib_window}": memory_model(
-            LLAMA_32_1B, args.rank, args.rope_dim, factor, args.calib_windows, args.calib_window),
+        f"{LLAMA_32_1B.name}, weights only": memory_model(LLAMA_32_1B, *ranks, factor),
+        f"{LLAMA_32_1B.name}, calibrated {calib[0]}×{calib[1]}": memory_model(LLAMA_32_1B, *ranks, factor, *calib),
         f"{LLAMA_3_70B.name}, weights only": memory_model(LLAMA_3_70B, 512, 64, factor),
-        f"{LLAMA_3_70B.name}, calibrated {args.calib_windows}×{args.calib_window}": memory_model(
-            LLAMA_3_70B, 512, 64, factor, args.calib_windows, args.calib_window),
-        f"{LLAMA_3_70B.name}, calibrated with the defaults (32×2048)": memory_model(LLAMA_3_70B, 512, 64, factor,
-                                                                                      32, 2048),
+        f"{LLAMA_3_70B.name}, calibrated {calib[0]}×{calib[1]}": memory_model(LLAMA_3_70B, 512, 64, factor, *calib),
+        f"{LLAMA_3_70B.name}, calibrated with the defaults (32×2048)": memory_model(LLAMA_3_70B, 512, 64, factor, 32, 2048),
     }
     if "convert" in results and "floor" in results:
         results["convert_over_floor"] = results["convert"]["seconds"] / results["floor"]["seconds"]
@@ -379,8 +379,8 @@ def report(source_bytes: int, results: dict, models: dict[str, dict[str, int]]) 
                   f"  {' '.join(r['loadavg'])}")
     if "convert" in results and "floor" in results:
         c, f = results["convert"], results["floor"]
-        print(f"convert / floor: {c['seconds'] / f['seconds']:.2f}× wall (fastest of {len(c['all_seconds'])} each: "
-              f"convert {', '.join(f'{t:.1f}' for t in c['all_seconds'])} s, floor "
+        print(f"convert / floor: {c['seconds'] / f['seconds']:.2f}× wall, {c['median_seconds'] / f['median_seconds']:.2f}× "
+              f"the medians (convert {', '.join(f'{t:.1f}' for t in c['all_seconds'])} s, floor "
               f"{', '.join(f'{t:.1f}' for t in f['all_seconds'])} s), {c['cpu_seconds'] / f['cpu_seconds']:.2f}× CPU; "
               f"convert's peak RSS in every trial: {', '.join(f'{b / GB:.2f}' for b in c['all_peak_rss_bytes'])} GB")
     for name in ("calibrated", "refined"):

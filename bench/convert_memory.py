@@ -1,10 +1,9 @@
 #!/usr/bin/env python
 """Conversion memory and speed (issue 7): peak RSS and wall time of ``mlaconv convert`` next to a plain copy.
 
-Builds a synthetic bf16 checkpoint with the exact shapes of Llama-3.2-1B (random weights, written shard
-by shard so this script stays small), then runs as subprocesses, each measured on its own with
-``os.wait4`` (wall time and the child's peak RSS; this script never imports torch, since a child's
-peak RSS includes its parent's resident memory at the fork):
+Builds a synthetic bf16 checkpoint with the exact shapes of Llama-3.2-1B (random weights, written shard by shard so
+this script stays small), then runs as subprocesses, each measured on its own with ``os.wait4`` (wall time and the
+child's peak RSS; this script never imports torch, since a child's peak RSS includes its parent's at the fork):
 
     copytree   python -c 'shutil.copytree(SRC, DST)'
     cp -r      cp -r SRC DST
@@ -19,7 +18,7 @@ and prints the per-stage memory model with what it predicts for this shape and f
 
     python bench/convert_memory.py                 # default work folder bench/_work/convert_memory
     python bench/convert_memory.py --repeats 3 --json
-    OMP_NUM_THREADS=1 python bench/convert_memory.py --skip calibrated,refined   # convert against its floor
+    python bench/convert_memory.py --skip calibrated,refined   # convert against its floor, as a CLI user runs it
 """
 
 from __future__ import annotations
@@ -120,8 +119,7 @@ def make_checkpoint(folder: Path, shape: Shape, shard_bytes: int, seed: int = 0)
     for name, dims in tensor_shapes(shape):
         nbytes = 2 * math.prod(dims)
         if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
+            shards, size = shards + [[]], 0
         shards[-1].append((name, dims))
         size += nbytes
     weight_map, total = {}, 0
@@ -206,7 +204,7 @@ def memory_model(shape: Shape, rank: int, rope_dim: int, attention_factor: float
                  calib_window: int = 0, calib_batch: int = 4, source_bytes: int = 2) -> dict[str, int]:
     """Bytes held at once in each stage of ``mlaconv convert`` (runtime excluded; output dtype = source dtype).
 
-    Weights only (with OMP_NUM_THREADS=1, as this script runs it):
+    Weights only (one-thread operators: OMP_NUM_THREADS=1, or the CLI's own choice on 2 cores):
     embeddings  2·V·H·b: the head (a tied one is the raw embedding) waits for the writer's thread while the
                 embedding is read and rescaled in place
     attention   L·[(q+k+v+o)·b + c·(q+k+v+o)·8] + W: L layers factored at once (2 where a layer's float64 working
@@ -348,13 +346,15 @@ def main() -> None:
     factor = added / (attention_elements(LLAMA_32_1B) * 8)
     results["attention_factor"] = factor
 
-    ranks, calib = (args.rank, args.rope_dim), (args.calib_windows, args.calib_window)
     models = {
-        f"{LLAMA_32_1B.name}, weights only": memory_model(LLAMA_32_1B, *ranks, factor),
-        f"{LLAMA_32_1B.name}, calibrated {calib[0]}×{calib[1]}": memory_model(LLAMA_32_1B, *ranks, factor, *calib),
+        f"{LLAMA_32_1B.name}, weights only": memory_model(LLAMA_32_1B, args.rank, args.rope_dim, factor),
+        f"{LLAMA_32_1B.name}, calibrated {args.calib_windows}×{args.calib_window}": memory_model(
+            LLAMA_32_1B, args.rank, args.rope_dim, factor, args.calib_windows, args.calib_window),
         f"{LLAMA_3_70B.name}, weights only": memory_model(LLAMA_3_70B, 512, 64, factor),
-        f"{LLAMA_3_70B.name}, calibrated {calib[0]}×{calib[1]}": memory_model(LLAMA_3_70B, 512, 64, factor, *calib),
-        f"{LLAMA_3_70B.name}, calibrated with the defaults (32×2048)": memory_model(LLAMA_3_70B, 512, 64, factor, 32, 2048),
+        f"{LLAMA_3_70B.name}, calibrated {args.calib_windows}×{args.calib_window}": memory_model(
+            LLAMA_3_70B, 512, 64, factor, args.calib_windows, args.calib_window),
+        f"{LLAMA_3_70B.name}, calibrated with the defaults (32×2048)": memory_model(LLAMA_3_70B, 512, 64, factor,
+                                                                                      32, 2048),
     }
     if "convert" in results and "floor" in results:
         results["convert_over_floor"] = results["convert"]["seconds"] / results["floor"]["seconds"]
@@ -368,8 +368,7 @@ def main() -> None:
 
 def report(source_bytes: int, results: dict, models: dict[str, dict[str, int]]) -> None:
     print(f"source: synthetic {LLAMA_32_1B.name}, bf16, {source_bytes / GB:.2f} GB")
-    copy = min(results[n]["seconds"] for n in ("copytree", "cp") if n in results) if (
-        "copytree" in results or "cp" in results) else None
+    copy = min((results[n]["seconds"] for n in ("copytree", "cp") if n in results), default=None)
     print(f"{'run':<12} {'wall s':>8} {'× copy':>7} {'peak RSS GB':>12} {'CPU s':>8}  load average (1, 5, 15 min)")
     for name in ("copytree", "cp", "convert", "floor", "calibrated", "refined", "runtime"):
         if name in results:
@@ -379,10 +378,11 @@ def report(source_bytes: int, results: dict, models: dict[str, dict[str, int]]) 
                   f"  {' '.join(r['loadavg'])}")
     if "convert" in results and "floor" in results:
         c, f = results["convert"], results["floor"]
-        print(f"convert / floor: {c['seconds'] / f['seconds']:.2f}× wall, {c['median_seconds'] / f['median_seconds']:.2f}× "
-              f"the medians (convert {', '.join(f'{t:.1f}' for t in c['all_seconds'])} s, floor "
-              f"{', '.join(f'{t:.1f}' for t in f['all_seconds'])} s), {c['cpu_seconds'] / f['cpu_seconds']:.2f}× CPU; "
-              f"convert's peak RSS in every trial: {', '.join(f'{b / GB:.2f}' for b in c['all_peak_rss_bytes'])} GB")
+        print(f"convert / floor: {c['seconds'] / f['seconds']:.2f}× the fastest, "  # the floor moves from trial to trial
+              f"{c['median_seconds'] / f['median_seconds']:.2f}× the medians (of {len(c['all_seconds'])} each: convert "
+              f"{', '.join(f'{t:.1f}' for t in c['all_seconds'])} s, floor {', '.join(f'{t:.1f}' for t in f['all_seconds'])}"
+              f" s), {c['cpu_seconds'] / f['cpu_seconds']:.2f}× CPU; convert's peak RSS in every trial: "
+              f"{', '.join(f'{b / GB:.2f}' for b in c['all_peak_rss_bytes'])} GB")
     for name in ("calibrated", "refined"):
         if "calibration" in results.get(name, {}):
             c = results[name]["calibration"]

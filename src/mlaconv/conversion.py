@@ -5,9 +5,10 @@ One pass over the source (``pipeline.source_layers``) feeds each layer to a conv
 (``write_tensors``). Memory: one source tensor group (a layer's attention or MLP) is in memory at a time, plus the
 calibration activations when calibrated; the writer puts each tensor in its shard file as it is added (a tensor that
 passes unchanged is copied there from the source file unread, ``LayerWriter``), and the output folder appears only
-when complete. Weights only with one-thread operators and a spare core (``spare_core``), two layers are factored at
-once, the outer tensors are written while the first layers are, and the writer's own thread writes while they are (up
-to ``WRITE_AHEAD_BYTES`` waiting): the same bytes, sooner.
+when complete. Weights only with one-thread operators and a spare core (``spare_core``; on 2 cores chosen unless the
+user set a thread count, ``weights_only_operators``), two layers are factored at once, the outer tensors are written
+while the first layers are, and the writer's own thread writes while they are (up to ``WRITE_AHEAD_BYTES`` waiting):
+the same bytes, sooner.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ class WeightsOnly:
     """Each layer converted from its weights alone (``convert_attention``), cast to the output dtype at once.
 
     ``ahead`` factors the next layers on ``workers`` threads while the caller writes one: torch's operators release
-    the GIL, so with one-thread operators (``OMP_NUM_THREADS=1``) two layers use two cores, and every operator runs
-    as it would alone (the same bytes).
+    the GIL, so with one-thread operators (``OMP_NUM_THREADS=1``, or ``weights_only_operators``) two layers use two
+    cores, and every operator runs as it would alone (the same bytes).
     """
 
     def __init__(self, plan: Plan, dtype: torch.dtype | None = None, workers: int = 1):
@@ -120,40 +121,49 @@ class WeightsOnly:
         return self._reports
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as torch counts them), else the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def spare_core() -> bool:
-    """Whether torch runs each operator on one thread on a machine with more cores: only then are threads of the
-    conversion's own (the writer's, a second layer's) used. Beside torch's default two threads on 2 cores they
-    contend with the operators' threads; a weights-only Llama-3.2-1B-shaped conversion took 182 s one thing at a
-    time and 360 s with the writer's thread while another job ran on both cores (one pair of runs), 20–23 s and
-    18.5–20.5 s at load 1.9 (two pairs): too little gain for that risk."""
-    return torch.get_num_threads() == 1 and (os.cpu_count() or 1) > 1
+    """Whether torch runs each operator on one thread with more cores to use: only then are threads of the
+    conversion's own (the writer's, a second layer's) used. Beside torch's two threads per operator on 2 cores (a
+    calibrated pass, or a user's ``OMP_NUM_THREADS=2``) they contend with the operators' threads; a weights-only
+    Llama-3.2-1B-shaped conversion took 182 s one thing at a time and 360 s with the writer's thread while another
+    job ran on both cores (one pair of runs), 20–23 s and 18.5–20.5 s at load 1.9 (two pairs): too little gain for
+    that risk."""
+    return torch.get_num_threads() == 1 and usable_cores() > 1
+
+
+def layer_working_set(plan: Plan) -> int:
+    """Bytes of one layer's float64 working set in a weights-only conversion: about five copies of its attention
+    weights (0.4 GB for Llama-3.2-1B, 6 GB for Llama-3-70B)."""
+    s = plan.shape
+    return 5 * 8 * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * s.hidden
 
 
 @contextmanager
-def weights_only_operators(weights_only: bool) -> Iterator[None]:
-    """One-thread operators for a weights-only layer pass on a 2-core machine whose user set no thread count
-    (``OMP_NUM_THREADS``), as that setting would: two layers then run at once beside the writer's thread
-    (``spare_core``). Llama-3.2-1B-shaped, 8.6–8.9 s against 10.6 s with torch's two threads per operator
-    (bench/README, "Weights-only speed"); more cores are left to torch (not measured). Torch's setting comes back
-    after the pass, for the checks that follow."""
+def weights_only_operators(two_layers_fit: bool) -> Iterator[None]:
+    """One-thread operators for a weights-only layer pass whose layers fit two at a time (``LAYER_MEMORY``), on 2
+    usable cores, where the user set no thread count (``OMP_NUM_THREADS``): as that setting would, two layers then
+    run at once beside the writer's thread (``spare_core``); bench/README, "What a CLI user gets". More cores are
+    left to torch (not measured). Torch's setting comes back after the pass, for the checks that follow."""
     before = torch.get_num_threads()
-    if not weights_only or os.cpu_count() != 2 or "OMP_NUM_THREADS" in os.environ or before == 1:
+    if not two_layers_fit or usable_cores() != 2 or "OMP_NUM_THREADS" in os.environ or before == 1:
         yield
         return
-    torch.set_num_threads(1)
     try:
+        torch.set_num_threads(1)
         yield
     finally:
         torch.set_num_threads(before)
 
 
 def layer_workers(plan: Plan) -> int:
-    """Layers factored at once in a weights-only conversion: two with a ``spare_core`` where one layer's float64
-    working set (about five copies of its attention weights; 0.4 GB for Llama-3.2-1B, 6 GB for Llama-3-70B) is
-    under ``LAYER_MEMORY``, else one."""
-    s = plan.shape
-    working_set = 5 * 8 * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * s.hidden
-    return 2 if spare_core() and working_set <= LAYER_MEMORY else 1
+    """Layers factored at once in a weights-only conversion: two with a ``spare_core`` where one layer's working set
+    is under ``LAYER_MEMORY``, else one."""
+    return 2 if spare_core() and layer_working_set(plan) <= LAYER_MEMORY else 1
 
 
 def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = no_progress) -> ConversionReport:
@@ -173,7 +183,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     plan = with_rope_stride(plan, progress)
     attention_bias = bool(spec.qkv_bias or spec.o_bias) and plan.layer.biases
     with atomic_output_dir(out, force=options.force) as tmp:
-        with weights_only_operators(streamer is None):
+        with weights_only_operators(streamer is None and layer_working_set(plan) <= LAYER_MEMORY):
             step: LayerStep = (calibrated.CalibratedSteps(plan, options, streamer, refinement) if streamer else
                                WeightsOnly(plan, dtype, layer_workers(plan)))
             # Weights only with a spare core: freed memory reused (io.heap), and the writer's own thread writes each

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import RANK, assert_refused, cli, hashes, leftovers, make_model
 from mlaconv import conversion
@@ -116,7 +116,7 @@ def test_two_layers_at_once_only_with_one_thread_operators_and_a_small_layer(mon
     def plan(hidden, heads, kv_heads, head_dim):
         return SimpleNamespace(shape=AttentionShape(hidden, heads, kv_heads, head_dim))
 
-    monkeypatch.setattr(conversion.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(conversion, "usable_cores", lambda: 2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert conversion.layer_workers(plan(2048, 32, 8, 64)) == 2  # Llama-3.2-1B
     assert conversion.layer_workers(plan(8192, 64, 8, 128)) == 1  # Llama-3-70B: 6 GB a layer
@@ -148,12 +148,12 @@ def test_sigterm_while_the_writer_thread_writes_removes_the_temporary_folder(tmp
     assert not temporary.exists() and not out.exists() and leftovers(out) == []
 
 
-@pytest.mark.parametrize("cores, omp, weights_only, inside", [(2, None, True, 1), (2, "2", True, 2), (2, None, False, 2),
-                                                               (4, None, True, 2)])
-def test_a_weights_only_pass_on_two_cores_runs_one_thread_operators(monkeypatch, cores, omp, weights_only, inside):
-    """As OMP_NUM_THREADS=1 would, unless the user set a thread count, or the pass is calibrated, or there are more
-    cores; torch's setting comes back after the pass, even after an error."""
-    monkeypatch.setattr(conversion.os, "cpu_count", lambda: cores)
+@pytest.mark.parametrize("cores, omp, fit, inside", [(2, None, True, 1), (2, "2", True, 2), (2, None, False, 2),
+                                                      (4, None, True, 2)])
+def test_a_weights_only_pass_on_two_cores_runs_one_thread_operators(monkeypatch, cores, omp, fit, inside):
+    """As OMP_NUM_THREADS=1 would, unless the user set a thread count, or two layers do not fit at once (a calibrated
+    pass, a 7B layer), or there are more cores; torch's setting comes back after the pass, even after an error."""
+    monkeypatch.setattr(conversion, "usable_cores", lambda: cores)
     if omp is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
@@ -161,9 +161,35 @@ def test_a_weights_only_pass_on_two_cores_runs_one_thread_operators(monkeypatch,
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with pytest.raises(RuntimeError, match="inside"), conversion.weights_only_operators(weights_only):
+        with pytest.raises(RuntimeError, match="inside"), conversion.weights_only_operators(fit):
             assert torch.get_num_threads() == inside
             raise RuntimeError("inside")
         assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("layer_memory, seen", [(2**30, (1, 2)), (1, (2, 1))])
+@pytest.mark.parametrize("nan", [False, True])
+def test_a_cli_conversion_on_two_cores_factors_two_layers_at_once(tmp_path, monkeypatch, layer_memory, seen, nan):
+    """Through the CLI, with no thread count set: one-thread operators and two layers at once, torch's two threads
+    back afterwards (after a refused conversion too); layers too large for two at once keep torch's threads."""
+    src = make_model(tmp_path / "src", heads=4, kv_heads=2, hidden=32, head_dim=16, layers=3)
+    if nan:
+        state = load_file(src / "model.safetensors")
+        state["model.layers.1.self_attn.q_proj.weight"][0, 0] = float("nan")
+        save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setattr(conversion, "usable_cores", lambda: 2)
+    monkeypatch.setattr(conversion, "LAYER_MEMORY", layer_memory)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    calls = []
+    workers = conversion.layer_workers
+    monkeypatch.setattr(conversion, "layer_workers", lambda plan: calls.append((torch.get_num_threads(),
+                                                                                  workers(plan))) or calls[-1][1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert (cli(src, tmp_path / "out", *RANK).exit_code != 0) == nan
+        assert calls == [seen] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

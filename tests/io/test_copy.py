@@ -55,19 +55,24 @@ def test_a_copied_tensor_is_written_as_adding_it_writes_it(tmp_path, reserve, ah
 
 
 def _kernel_copy(monkeypatch, failure: str) -> None:
-    """copy_file_range missing (not Linux), refused (two file systems) or copying nothing (some kernels)."""
+    """copy_file_range missing (not Linux), refused (two file systems), copying nothing (some kernels), or copying
+    only some blocks."""
     if failure == "missing":
         monkeypatch.delattr(os, "copy_file_range", raising=False)
     elif failure == "exdev":
         def refused(*args):
             raise OSError(errno.EXDEV, "Invalid cross-device link")
         monkeypatch.setattr(os, "copy_file_range", refused)
-    else:
+    elif failure == "nothing copied":
         monkeypatch.setattr(os, "copy_file_range", lambda *args: 0)
+    else:  # every other block: the kernel's copies and the block copies interleave in one tensor
+        calls, kernel = [], os.copy_file_range
+        monkeypatch.setattr(os, "copy_file_range", lambda *args: calls.append(0) or (kernel(*args) if len(calls) % 2
+                                                                                     else 0))
     monkeypatch.setattr(writer_module._copy_bytes, "__defaults__", (7,))  # blocks of 7 bytes: many per tensor
 
 
-@pytest.mark.parametrize("failure", ["missing", "exdev", "nothing copied"])
+@pytest.mark.parametrize("failure", ["missing", "exdev", "nothing copied", "some blocks"])
 def test_without_the_kernel_copy_the_bytes_go_through_in_blocks(tmp_path, monkeypatch, failure):
     tensors = _source(tmp_path / "src")
     reader = CheckpointReader(tmp_path / "src")

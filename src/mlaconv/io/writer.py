@@ -360,10 +360,12 @@ def _copy_bytes(stored: StoredTensor, name: str, file: BinaryIO, block: int = 64
             except (AttributeError, OSError):  # no copy_file_range here, or not between these two file systems
                 count = 0
             if not count:
-                data = os.pread(source.fileno(), size, stored.offset + done)
+                source.seek(stored.offset + done)
+                data = source.read(size)
                 if not data:
                     raise cut_short(stored.path, name)
-                count = os.pwrite(file.fileno(), data, at + done)
+                file.seek(at + done)
+                count = file.write(data)
             done += count
     file.seek(at + done)
 

@@ -167,7 +167,10 @@ def layer_workers(plan: Plan) -> int:
 
 
 def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = no_progress) -> ConversionReport:
-    """Convert ``source`` into an MLA checkpoint at ``out``; return the report (``to_json()``: OUT/mlaconv.json)."""
+    """Convert ``source`` into an MLA checkpoint at ``out``; return the report (``to_json()``: OUT/mlaconv.json).
+
+    Weights only on 2 cores, torch runs one-thread operators during the layer pass unless ``OMP_NUM_THREADS`` is set
+    (``weights_only_operators``); its thread count comes back afterwards."""
     started = time.perf_counter()
     out = Path(out)
     plan = plan_conversion(source, options)

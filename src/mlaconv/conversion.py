@@ -14,6 +14,7 @@ the same bytes, sooner.
 from __future__ import annotations
 
 import json
+import itertools
 import os
 import time
 from collections import deque
@@ -86,18 +87,15 @@ class WeightsOnly:
         cache stay on one thread); only the arithmetic runs on the threads."""
         pool = ThreadPoolExecutor(self.workers, thread_name_prefix="mlaconv-layer")
         waiting: deque[tuple[int, Future]] = deque()
-        started = False
+        layers = iter(layers)
         try:
-            for layer in layers:
+            for layer in itertools.islice(layers, self.workers):
                 waiting.append((layer.index, pool.submit(self._convert, layer.attention)))
-                if not started and len(waiting) == self.workers:
-                    start()
-                    started = True
-                if len(waiting) > self.workers:  # one layer more than the threads: the next waits read
-                    index, future = waiting.popleft()
-                    yield index, self._collect(future.result())
-            if not started:
-                start()
+            start()
+            for layer in layers:  # one layer more than the threads: the next waits read
+                waiting.append((layer.index, pool.submit(self._convert, layer.attention)))
+                index, future = waiting.popleft()
+                yield index, self._collect(future.result())
             while waiting:
                 index, future = waiting.popleft()
                 yield index, self._collect(future.result())
@@ -136,11 +134,11 @@ def spare_core() -> bool:
     return torch.get_num_threads() == 1 and usable_cores() > 1
 
 
-def layer_working_set(plan: Plan) -> int:
-    """Bytes of one layer's float64 working set in a weights-only conversion: about five copies of its attention
-    weights (0.4 GB for Llama-3.2-1B, 6 GB for Llama-3-70B)."""
+def two_layers_fit(plan: Plan) -> bool:
+    """Whether one layer's float64 working set in a weights-only conversion, about five copies of its attention
+    weights (0.4 GB for Llama-3.2-1B, 6 GB for Llama-3-70B), is under ``LAYER_MEMORY``."""
     s = plan.shape
-    return 5 * 8 * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * s.hidden
+    return 5 * 8 * (2 * s.heads + 2 * s.kv_heads) * s.head_dim * s.hidden <= LAYER_MEMORY
 
 
 @contextmanager
@@ -161,9 +159,9 @@ def weights_only_operators(two_layers_fit: bool) -> Iterator[None]:
 
 
 def layer_workers(plan: Plan) -> int:
-    """Layers factored at once in a weights-only conversion: two with a ``spare_core`` where one layer's working set
-    is under ``LAYER_MEMORY``, else one."""
-    return 2 if spare_core() and layer_working_set(plan) <= LAYER_MEMORY else 1
+    """Layers factored at once in a weights-only conversion: two with a ``spare_core`` where ``two_layers_fit``, else
+    one."""
+    return 2 if spare_core() and two_layers_fit(plan) else 1
 
 
 def convert(source: str, out: str | Path, options: ConvertOptions, progress: Progress = no_progress) -> ConversionReport:
@@ -186,7 +184,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     plan = with_rope_stride(plan, progress)
     attention_bias = bool(spec.qkv_bias or spec.o_bias) and plan.layer.biases
     with atomic_output_dir(out, force=options.force) as tmp:
-        with weights_only_operators(streamer is None and layer_working_set(plan) <= LAYER_MEMORY):
+        with weights_only_operators(streamer is None and two_layers_fit(plan)):
             step: LayerStep = (calibrated.CalibratedSteps(plan, options, streamer, refinement) if streamer else
                                WeightsOnly(plan, dtype, layer_workers(plan)))
             # Weights only with a spare core: freed memory reused (io.heap), and the writer's own thread writes each

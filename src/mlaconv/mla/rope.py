@@ -243,12 +243,17 @@ def unrotation_loss(query_energy: torch.Tensor, key_energy: torch.Tensor, remain
     return score_loss(query_energy * remainder_energy, (query_energy * key_energy).sum().item(), mean)
 
 
+def unrotation_cost(mean: torch.Tensor) -> torch.Tensor:
+    """μ [N, F] → [F, N]: E|e^{-iΔω} − μ|² = 1 − |μ|², what losing the rotation of a component at frequency j costs
+    head h when the component then sees the mean rotation μ instead."""
+    return (1 - mean.abs() ** 2).clamp_min(0).T
+
+
 def score_loss(error: torch.Tensor, total: float, mean: torch.Tensor) -> UnrotationLoss:
     """error [F, N]: each pair's and query head's score error before anything stands in for it; ``total``: the
     query-weighted key energy it is a fraction of; mean μ [N, F] → the ``UnrotationLoss``."""
-    mu = mean.T  # [F, N]
-    compensated = error * (1 - mu.abs() ** 2).clamp_min(0)
-    uncompensated = error * (2 - 2 * mu.real).clamp_min(0)
+    compensated = error * unrotation_cost(mean)
+    uncompensated = error * (2 - 2 * mean.T.real).clamp_min(0)
     scale = 1 / total if total > 0 else 0.0
     return UnrotationLoss(compensated_per_frequency=(compensated.sum(-1) * scale).tolist(),
                           compensated=compensated.sum().item() * scale, uncompensated=uncompensated.sum().item() * scale)

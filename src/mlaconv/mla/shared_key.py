@@ -50,10 +50,9 @@ def query_energy_per_head(q: torch.Tensor, shape: AttentionShape, metric: torch.
     return metric_math.energy(zq, metric)
 
 
-def unrotation_cost(mean: torch.Tensor) -> torch.Tensor:
-    """μ [N, F] → [F, N]: E|e^{-iΔω} − μ|² = 1 − |μ|², what losing the rotation of a component at frequency j costs
-    head h when the component then sees the mean rotation μ instead."""
-    return (1 - mean.abs() ** 2).clamp_min(0).T
+def per_kv_head(cost: torch.Tensor, shape: AttentionShape) -> torch.Tensor:
+    """[F, N] → [F, n_kv]: summed over the query heads each KV head serves."""
+    return cost.reshape(cost.shape[0], shape.kv_heads, shape.group).sum(-1)
 
 
 def key_mix(k: torch.Tensor, q: torch.Tensor | None, shape: AttentionShape, stats: LayerStats,
@@ -65,11 +64,10 @@ def key_mix(k: torch.Tensor, q: torch.Tensor | None, shape: AttentionShape, stat
     """
     zk = rope.complex_pairs(k, shape.kv_heads)  # [F, n_kv, H]
     gram = rope.hermitian_gram(zk, stats.metric)
-    cost = unrotation_cost(stats.rotation_mean)  # [F, N]
+    cost = rope.unrotation_cost(stats.rotation_mean)  # [F, N]
     if options.query_weighted_rope:
         cost = cost * query_energy_per_head(q, shape, stats.metric)
-    weights = cost.reshape(cost.shape[0], shape.kv_heads, shape.group).sum(-1)
-    return zk, rope.head_mix(gram, weights)
+    return zk, rope.head_mix(gram, per_kv_head(cost, shape))
 
 
 def key_energies(k: torch.Tensor, gamma: torch.Tensor, shape: AttentionShape, options: LayerOptions) -> torch.Tensor:
@@ -185,7 +183,7 @@ def source_rotation(q: torch.Tensor, k: torch.Tensor, shape: AttentionShape, pai
     query = metric_math.energy(_pairs(q, shape.heads, pairs), metric)  # [F, N]
     key = metric_math.energy(_pairs(k, shape.kv_heads, pairs), metric)  # [F, n_kv]
     mean = mean[:, :pairs].to(torch.complex128)
-    weight = (unrotation_cost(mean) * query).reshape(pairs, shape.kv_heads, shape.group).sum(-1)
+    weight = per_kv_head(rope.unrotation_cost(mean) * query, shape)
     return SourceRotation(shape, metric, mean, query, key, weight)
 
 
@@ -212,18 +210,18 @@ def rotary_figures(q: torch.Tensor, k: torch.Tensor, shape: AttentionShape, pair
 
 def figures_against(source: SourceRotation, q: torch.Tensor, k: torch.Tensor, slots: RotatedSlots) -> RotaryFigures:
     """``rotary_figures`` with the source's side computed already (one ``SourceRotation`` for every version)."""
-    shape, metric, pairs = source.shape, source.metric, source.query.shape[0]
+    shape, metric = source.shape, source.metric
     group_of_head, j = torch.arange(shape.heads) // shape.group, slots.frequencies
-    zq, zk = _pairs(q, shape.heads, pairs), _pairs(k, shape.kv_heads, pairs)  # [F, N, H], [F, n_kv, H]
+    zq, zk = _kept_pairs(q, shape.heads, j), _kept_pairs(k, shape.kv_heads, j)  # [R/2, N, H], [R/2, n_kv, H]
     kappa, q_hat = slots.key.to(torch.complex128), slots.query.to(torch.complex128)  # [R/2, H], [R/2, N, H]
     kappa_energy = metric_math.energy(kappa, metric)  # [R/2]
-    along = inner(zk[j], kappa[:, None], metric)  # E[z_k·conj κ] [R/2, n_kv]
+    along = inner(zk, kappa[:, None], metric)  # E[z_k·conj κ] [R/2, n_kv]
     kept = torch.zeros_like(source.key)
     kept[j] = along.abs() ** 2 / kappa_energy.clamp_min(torch.finfo(torch.float64).tiny)[:, None]
     error = source.query * source.key[:, group_of_head]  # [F, N]
     total = error.sum().item()
     error[j] = (error[j] + metric_math.energy(q_hat, metric) * kappa_energy[:, None]
-                - 2 * (inner(zq[j], q_hat, metric) * along[:, group_of_head].conj()).real).clamp_min(0)
+                - 2 * (inner(zq, q_hat, metric) * along[:, group_of_head].conj()).real).clamp_min(0)
     weight, key = source.weight, source.key
     per_frequency = (weight * kept).sum(-1) / (weight * key).sum(-1).clamp_min(torch.finfo(torch.float64).tiny)
     return RotaryFigures(
@@ -235,6 +233,14 @@ def figures_against(source: SourceRotation, q: torch.Tensor, k: torch.Tensor, sl
 
 def _pairs(rows: torch.Tensor, heads: int, pairs: int) -> torch.Tensor:
     return rope.complex_pairs(rows.to(torch.float64), heads)[:pairs]
+
+
+def _kept_pairs(rows: torch.Tensor, heads: int, kept: torch.Tensor) -> torch.Tensor:
+    """``_pairs`` at the ``kept`` pairs only, only their rows widened to float64 → [len(kept), heads, H]."""
+    d = rows.shape[0] // heads
+    rows = rows.reshape(heads, d, -1)
+    halves = torch.cat([rows[:, kept], rows[:, kept + d // 2]], dim=1)  # rotate-half rows of the kept pairs
+    return rope.complex_pairs(halves.reshape(-1, rows.shape[-1]).to(torch.float64), heads)
 
 
 def _share(part: float, whole: float) -> float:

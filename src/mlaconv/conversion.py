@@ -36,7 +36,7 @@ from mlaconv.mla.layer import LayerReport, MLAAttention, SourceAttention
 from mlaconv.model_card import write_model_card
 from mlaconv.options import ConvertOptions
 from mlaconv.pipeline import SourceLayer, source_layers
-from mlaconv.plan import (Plan, estimate_output_bytes, eval_source, factor_precision, output_config, output_dtype,
+from mlaconv.plan import (Plan, calibration_description, estimate_output_bytes, eval_source, factor_precision, output_config, output_dtype,
                           plan_conversion, with_rope_stride)
 from mlaconv.conversion_report import conversion_report
 from mlaconv.progress import Progress, no_progress
@@ -44,6 +44,7 @@ from mlaconv.report import ConversionReport, EvalReport
 from mlaconv.report.conversion import Absorbed
 from mlaconv.report.record import Failure
 from mlaconv.targets import target_report
+from mlaconv.verdict import conversion_verdict
 
 WRITE_AHEAD_BYTES = 64 * 2**20  # tensors waiting for the writer's thread, at most (or one larger)
 LAYER_MEMORY = 2**30  # weights only: a second layer is factored at once only below this working set
@@ -177,7 +178,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     check_output_target(out, folder, options.force)
     check_free_space(out.parent, estimate_output_bytes(spec, plan.shapes, dtype, options.absorbed))
     streamer = shape_search = None
-    if options.calibrated:
+    if plan.calibrated:
         from mlaconv import calibrated
 
         plan, streamer, refinement, shape_search = calibrated.prepare(plan, options, progress)
@@ -209,8 +210,9 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         source_id = None if Path(source).expanduser().exists() else source  # a hub id, not a local path
         report = conversion_report(spec, plan.shapes, config, step.reports, out, source_id, folder, dtype,
                                    plan.layer.residual_scale, options, copied,
-                                   target_report(options.target, step.reports, rope_rewrite, options.calibrated))
+                                   target_report(options.target, step.reports, rope_rewrite, plan.calibrated))
         report.shape_search = shape_search
+        report.calibration_data = calibration_description(folder, options, plan.calibration)
         if streamer:
             report.mode = "calibrated"
             report.calibration = step.report()
@@ -222,6 +224,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
                 "the built-in check")
         if options.evaluated:
             report.eval = _after_conversion(lambda: _evaluate(tmp, folder, out, options, progress), "the evaluation")
+        report.verdict = conversion_verdict(report.verify, report.eval)
         if options.absorbed:
             from mlaconv.absorb import write_absorbed
 

@@ -42,8 +42,8 @@ def write_model_card(folder: Path, report: ConversionReport) -> None:
 def render_model_card(report: ConversionReport) -> str:
     """The model card as Markdown text."""
     sections = [
-        _front_matter(report), _introduction(report), _kv_cache(report), _settings(report), _per_layer(report),
-        _whole_model(report.calibration), _verification(report.verify), _evaluation(report.eval), _serving(report),
+        _front_matter(report), _introduction(report), _verdict(report), _kv_cache(report), _settings(report), _per_layer(report),
+        _whole_model(report.calibration), _healing(report), _verification(report.verify), _evaluation(report.eval), _serving(report),
         _usage(report), _quality(report),
     ]
     return "\n\n".join(section for section in sections if section) + "\n"
@@ -94,6 +94,17 @@ def _introduction(report: ConversionReport) -> str:
         "token and layer, instead of a key and a value per KV head. Every figure below is also in "
         "`mlaconv.json` in this folder.",
     ])
+
+
+def _verdict(report: ConversionReport) -> str:
+    verdict = report.verdict
+    if verdict is None:
+        return ""
+    mark = {"close": "Close to the source", "degraded": "Degraded", "broken": "**Broken: do not serve**"}
+    heading = mark.get(verdict.level, "No verdict")
+    return "\n".join(["## Verdict", "", f"{heading}. {verdict.message[0].upper()}{verdict.message[1:]}.",
+                      "", "(Thresholds: `mlaconv.verdict`; close = KL < 0.05 per token and top-1 agreement ≥ 90%, "
+                      "broken = KL ≥ 1 or top-1 < 40%.)"])
 
 
 def _kv_cache(report: ConversionReport) -> str:
@@ -199,6 +210,34 @@ def _whole_model(calibration: Calibration | None) -> str:
                      + (f"{_metric('kl', figures.kl)} | {_metric('top1', figures.top1)} |" if figures
                         else "— | — (no layer refined) |"))
     lines += ["", "The choice between these two models is the only one the audit windows made."]
+    return "\n".join(lines)
+
+
+def _healing(report: ConversionReport) -> str:
+    heal = report.heal
+    if heal is None:
+        return ""
+    before, after = heal.held_out_before, heal.held_out_after
+    lines = [
+        "## Healing",
+        "",
+        f"After the conversion, `mlaconv heal` trained every layer's {', '.join(f'`{t}`' for t in heal.trained)} end "
+        f"to end towards the source's next-token distributions (KL on its top-{heal.top_k} log-probabilities), "
+        f"everything else frozen: {heal.tokens:,} tokens of {heal.calibration_data} in {heal.steps} steps of "
+        f"{heal.batch} windows of {heal.window} (the best step on {len(heal.select_windows)} select windows kept: "
+        f"{heal.best_step}), {heal.seconds / 60:.1f} minutes on {heal.device}. On {len(heal.held_out_windows)} held-out "
+        "windows of the same data, which nothing was trained or chosen on:",
+        "",
+        "| | before healing | after |",
+        "|---|---:|---:|",
+        f"| perplexity drift | {_metric('drift', before.drift)} | {_metric('drift', after.drift)} |",
+        f"| KL(source ‖ model) per token | {_metric('kl', before.kl)} | {_metric('kl', after.kl)} |",
+        f"| top-1 agreement | {_metric('top1', before.top1)} | {_metric('top1', after.top1)} |",
+        "",
+        f"The tiny-latent guarantee was re-proved on the trained weights (max mean(c²)/ε {heal.latent_bound:.3g})"
+        + (f"; layers {heal.rescaled_layers} had their latent rows scaled back under it." if heal.rescaled_layers
+           else "."),
+    ]
     return "\n".join(lines)
 
 

@@ -23,7 +23,6 @@ def convert(
     src: Optional[str] = typer.Argument(None, help="Source model: a local folder or a Hugging Face hub id (from the local cache). With --recipe and one argument, the recipe's source is used and the argument is OUT."),
     out: Optional[Path] = typer.Argument(None, help="Output folder (written atomically)."),
     recipe: Optional[Path] = typer.Option(None, "--recipe", help="A recipes/*.yaml file of settings; explicit flags override it."),
-    weights_only: bool = typer.Option(False, "--weights-only", help="Ignore a recipe's calibration settings."),
     json_out: bool = JSON_OPTION,
     quiet: bool = QUIET_OPTION,
     debug: bool = DEBUG_OPTION,
@@ -44,8 +43,6 @@ def convert(
             if out is None and src is not None:  # one positional argument with a recipe: it is OUT
                 src, out = None, Path(src)
             src = src or load_recipe(recipe).source
-        if weights_only:
-            options.calib, options.calib_dataset = [], None
         if src is None or out is None:
             raise MlaconvError("give SRC and OUT (SRC may come from --recipe)")
         with progress(quiet) as track:
@@ -66,6 +63,8 @@ def render_report(report: ConversionReport, console) -> None:
         line(console, "splits measured: " + ", ".join(
             f"{c.kv_lora_rank} + {c.qk_rope_head_dim}: {c.mean_attention_error:.4f}" for c in report.shape_search.candidates
         ) + " (mean attention error)")
+    if report.calibration_data:
+        line(console, f"calibration data: {escape(report.calibration_data)}")
     calibration = report.calibration
     table = Table(title="per layer" + (", measured on the audit windows" if calibration else ""), show_lines=False)
     columns = ["layer", "latent energy", "RoPE energy kept", "key error", "value error"]
@@ -139,3 +138,7 @@ def _render_checks(report: ConversionReport, console) -> None:
         line(console, f"eval ({escape(result.data)}, {result.windows} windows of {result.window}): KV cache "
                       f"{report.kv_keep:.1%} of the source's; PPL {result.ppl:.4g} vs source "
                       f"{result.baseline_ppl:.4g} (drift {result.drift:+.2%}){agreement}")
+    verdict = report.verdict
+    if verdict is not None:
+        colour = {"close": "green", "degraded": "yellow", "broken": "bold red"}.get(verdict.level, "yellow")
+        line(console, f"[{colour}]verdict:[/] {escape(verdict.message)}")

@@ -154,6 +154,59 @@ class Verification(Record):
 
 
 @dataclass
+class Verdict(Record):
+    """Close, degraded or broken (``mlaconv.verdict``), the figures and the measurement it rests on; "none" where no
+    measurement was made."""
+
+    level: str
+    basis: str
+    message: str
+    kl: float | None = optional()
+    top1: float | None = optional()
+
+
+@dataclass
+class HealFigures(Record):
+    """A model against its source on the healing's held-out windows (``eval perplexity``'s figures)."""
+
+    drift: float | None
+    kl: float | None
+    top1: float | None
+    tokens: int
+
+
+@dataclass
+class HealReport(Record):
+    """What ``mlaconv heal`` did (docs/report.md, "convert.heal")."""
+
+    source: str
+    calibration_data: str
+    window: int
+    batch: int
+    lr: float
+    top_k: int
+    device: str
+    trained: list[str]
+    tokens: int
+    steps: int
+    best_step: int
+    train_windows: int
+    select_windows: list[int]
+    held_out_windows: list[int]
+    select_kl_before: float
+    select_kl_after: float
+    curve: list[list[float]]
+    held_out_before: HealFigures
+    held_out_after: HealFigures
+    latent_bound: float
+    rescaled_layers: list[int]
+    estimated_seconds: float
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    verdict: Verdict | None = optional()
+
+
+@dataclass
 class Absorbed(Record):
     folder: str
     tensors: int
@@ -204,9 +257,12 @@ class ConversionReport(Record):
     serving: Serving
     target: TargetReport
     shape_search: ShapeSearch | None = optional()
+    calibration_data: str | None = optional()  # what it was calibrated on, or why not
     calibration: Calibration | None = optional()
     verify: Verification | Failure | None = None
     eval: EvalReport | Failure | None = optional()
+    verdict: Verdict | None = optional()
+    heal: HealReport | None = optional()
     absorbed: Absorbed | None = optional()
     extra: dict = field(default_factory=dict, metadata={"merge": True})  # ConvertOptions.extra_report
     seconds: float | None = optional()

@@ -23,11 +23,13 @@ def test_the_public_names_are_the_library_functions():
     from mlaconv.evaluate import evaluate_perplexity
     from mlaconv.io.text import TokenSource
     from mlaconv.io.gguf import export_gguf
-    from mlaconv.report import ConversionReport, EvalReport, SpectraReport
+    from mlaconv.report import ConversionReport, EvalReport, RetrievalReport, SpectraReport
+    from mlaconv.retrieval import evaluate_retrieval
     from mlaconv.spectra import SpectraOptions, spectra
 
     expected = {"convert": convert, "ConvertOptions": ConvertOptions, "inspect_spectra": spectra,
                 "SpectraOptions": SpectraOptions, "evaluate_perplexity": evaluate_perplexity,
+                "evaluate_retrieval": evaluate_retrieval, "RetrievalReport": RetrievalReport,
                 "TokenSource": TokenSource, "export_gguf": export_gguf, "MlaconvError": MlaconvError,
                 "ConversionReport": ConversionReport, "SpectraReport": SpectraReport, "EvalReport": EvalReport}
     assert set(mlaconv.__all__) == {"__version__", *expected}

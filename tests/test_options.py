@@ -38,7 +38,7 @@ def test_every_option_is_declared_with_a_flag_or_as_python_only():
 
 
 def test_convert_takes_exactly_the_declared_flags():
-    own = {"recipe", "weights_only", "json_out", "quiet", "debug", "help"}
+    own = {"recipe", "json_out", "quiet", "debug", "help"}
     cli = {name for name, flag in flags().items() if flag.cli is not None}
     assert option_fields(command("convert")) - own == cli
     spelled = {opt for p in command("convert").params for opt in p.opts}
@@ -121,4 +121,5 @@ def test_the_command_line_applies_a_recipe_through_from_recipe(tmp_path, monkeyp
     (src, plain), (_, verified), (_, weights_only) = seen
     assert src == "org/model" and plain == ConvertOptions.from_recipe(recipe)
     assert verified == ConvertOptions.from_recipe(recipe, verify=True)  # a flag at its default still wins
-    assert (weights_only.calib, weights_only.calib_dataset, weights_only.kv_keep) == ([], None, 0.5)
+    assert weights_only == ConvertOptions.from_recipe(recipe, weights_only=True) and not weights_only.calibrated
+    assert plain.calibrated and weights_only.kv_keep == 0.5

@@ -46,9 +46,9 @@ CLOSED, REFINED = "closed form", "refined"  # the two whole models the audit com
 
 def calibration_tokens(plan: Plan, options: ConvertOptions) -> torch.Tensor | None:
     """The [B, S] calibration windows, when calibration was asked for."""
-    if not options.calibrated:
+    if plan.calibration is None:
         return None
-    return load_calibration_tokens(plan.folder, plan.spec, options.calib, options.calib_dataset,
+    return load_calibration_tokens(plan.folder, plan.spec, list(plan.calibration.files), plan.calibration.dataset,
                                    options.calib_tokens, options.calib_window)
 
 

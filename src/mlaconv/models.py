@@ -53,10 +53,14 @@ def load_causal_lm(folder: str | Path, dtype: torch.dtype = torch.float32, devic
     return model.eval()
 
 
+def has_tokenizer(folder: str | Path) -> bool:
+    return any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
 def load_tokenizer(folder: str | Path):
     """The folder's tokenizer, or None if it ships none."""
     folder = Path(folder)
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if not has_tokenizer(folder):
         return None
     from transformers import AutoTokenizer
 

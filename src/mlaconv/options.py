@@ -77,8 +77,13 @@ class ConvertOptions:
                                         recipe=(bool,), spectra=True)
     delta: float = DEFAULT_DELTA
     revision: str | None = option(None, "Hub revision when SRC is a hub id.", str, recipe=(str,), spectra=True)
-    calib: list[str] = option(help="Calibration text file (or .jsonl of token ids); repeatable.", cli=list[str],
+    calib: list[str] = option(help="Calibration text file (or .jsonl of token ids); repeatable (default: mlaconv's "
+                                   "bundled general text, for a source with a tokenizer).", cli=list[str],
                               recipe=(list,), spectra=True, factory=list)
+    weights_only: bool = option(False, "Convert from the weights alone, ignoring any calibration data or a recipe's "
+                                       "(minutes instead of hours; exact at full rank, fine for shapes and speed, but "
+                                       "far from the source at a real cut of a pretrained model: see the verdict).",
+                                bool, names=("--weights-only/--no-weights-only",), recipe=(bool,))
     calib_dataset: str | None = option(None, "Calibration from a Hugging Face dataset NAME[:CONFIG[:SPLIT]] (local "
                                              "cache when offline).", str, recipe=(str,), spectra=True)
     calib_tokens: int = option(65536, "Calibration tokens (default 65536).", int, recipe=(int,), spectra=True)
@@ -143,6 +148,11 @@ class ConvertOptions:
 
     @property
     def calibrated(self) -> bool:
+        """Calibrated unless --weights-only: on the data given, else on the bundled general text (``Plan``)."""
+        return not self.weights_only
+
+    @property
+    def calibration_given(self) -> bool:
         return bool(self.calib or self.calib_dataset)
 
 

@@ -20,11 +20,15 @@ from mlaconv.mla.attention import full_rank
 from mlaconv.mla.layer import AttentionShape, LayerOptions, mla_cache_elements
 from mlaconv.mla.shared_key import key_energies
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
-from mlaconv.models import DTYPES, check_device
+from mlaconv.models import DTYPES, check_device, has_tokenizer
 from mlaconv.options import ConvertOptions, Recipe, load_recipe
 from mlaconv.pipeline import source_layers
 from mlaconv.progress import Progress, no_progress
 from mlaconv.targets import Target, check_head_size, rope_scaling_for, served_budget, target
+
+GENERAL_TEXT = Path(__file__).resolve().parent / "data" / "general.txt"
+GENERAL_TEXT_DESCRIPTION = ("mlaconv's bundled general text (data/general.txt: 419 KB of public-domain narrative and "
+                            "dialogue, Python code and documentation under the PSF licence; data/general.md)")
 
 DEFAULT_ROPE_DIM = 64
 
@@ -180,15 +184,53 @@ def layer_options(spec: SourceSpec, shapes: ShapeChoice, options: ConvertOptions
     )
 
 
+@dataclass(frozen=True)
+class CalibrationData:
+    """What a conversion calibrates on: text or token-id files and/or a dataset, and what the report says of it."""
+
+    files: tuple[str, ...]
+    dataset: str | None
+    description: str
+
+
+def calibration_data(folder: Path, options: ConvertOptions) -> CalibrationData | None:
+    """The data given, else (unless --weights-only) the bundled general text where the source has a tokenizer to
+    read it with; None: weights only."""
+    if options.weights_only:
+        return None
+    if options.calibration_given:
+        named = list(options.calib) + ([f"dataset {options.calib_dataset}"] if options.calib_dataset else [])
+        return CalibrationData(tuple(options.calib), options.calib_dataset, ", ".join(named))
+    if not has_tokenizer(folder):
+        return None
+    return CalibrationData((str(GENERAL_TEXT),), None, GENERAL_TEXT_DESCRIPTION)
+
+
+def calibration_description(folder: Path, options: ConvertOptions, data: CalibrationData | None) -> str:
+    """The report's line on the calibration data, weights-only included."""
+    if data is not None:
+        return data.description
+    if options.weights_only:
+        return "none: --weights-only"
+    return ("none: the source has no tokenizer to read the bundled calibration text with, so it was converted from "
+            "its weights alone; give --calib FILE.jsonl (token ids) to calibrate")
+
+
 @dataclass
 class Plan:
-    """A validated conversion: the opened source, the chosen shapes and the per-layer options."""
+    """A validated conversion: the opened source, the chosen shapes, the per-layer options and the calibration data
+    (None: weights only)."""
 
     folder: Path
     spec: SourceSpec
     reader: CheckpointReader
     shapes: ShapeChoice
     layer: LayerOptions
+    calibration: CalibrationData | None = None
+
+    @property
+    def calibrated(self) -> bool:
+        return self.calibration is not None
 
     @property
     def shape(self) -> AttentionShape:
@@ -201,10 +243,11 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
     folder, spec, reader = load_source(source, options.revision, options.allow_sliding_window)
     if options.recipe:
         check_recipe(load_recipe(options.recipe), spec)
-    if spec.family.qk_norm and not options.calibrated:
+    calibration = calibration_data(folder, options)
+    if spec.family.qk_norm and calibration is None:
         raise MlaconvError(QK_NORM_NEEDS_CALIBRATION.format(label=spec.family.label))
     shapes = plan_shapes(spec, options.rank, options.kv_keep, options.rope_dim, target(options.target))
-    searched = options.calibrated and options.kv_keep is not None and options.rope_dim is None  # see calibrated.search_shapes
+    searched = calibration is not None and options.kv_keep is not None and options.rope_dim is None  # see calibrated.search_shapes
     if (options.rope_stride is not None and not searched
             and options.rope_stride not in rope.strides(spec.rotary_dim, shapes.rope_dim)):
         raise MlaconvError(f"--rope-stride {options.rope_stride} does not fit {shapes.rope_dim} rope dims in "
@@ -222,7 +265,7 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
         raise MlaconvError("the refinement batch and check interval must be ≥ 1")
     if options.evaluated:
         eval_source(options)  # a missing eval file or a malformed dataset name fails now, not after hours
-    return Plan(folder, spec, reader, shapes, layer_options(spec, shapes, options))
+    return Plan(folder, spec, reader, shapes, layer_options(spec, shapes, options), calibration)
 
 
 def describe_model(spec: SourceSpec) -> str:

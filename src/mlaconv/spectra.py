@@ -77,6 +77,7 @@ class SpectraOptions:
     def convert_options(self) -> ConvertOptions:
         """The ``convert`` settings these spectra preview (any rank: it does not enter the analysis)."""
         return ConvertOptions(rank=None if self.kv_keep is not None else 1,
+                              weights_only=not (self.calib or self.calib_dataset),
                               **{name: getattr(self, name) for name in flags(SpectraOptions)})
 
 

@@ -16,6 +16,7 @@ from mlaconv.errors import MlaconvError
 from mlaconv.evaluate import evaluate_perplexity
 from mlaconv.io.text import TokenSource, cut_windows, load_eval_tokens
 from mlaconv.models import load_causal_lm
+from test_report_schema import check
 
 VOCAB = 96
 TEXT = """The lighthouse keeper climbed the stairs every evening before the sun went down. He carried a lamp,
@@ -351,3 +352,49 @@ def test_float16_underflows_an_exact_mla_conversion_and_is_refused(tiny_model, t
     assert plain.exit_code == 0 and json.loads(plain.stdout)["dtype"] == "float16"
     mla = cli(out, "--baseline", src, "--tokens", ids_file, "--dtype", "bfloat16", "--json", "--quiet")
     assert mla.exit_code == 0 and json.loads(mla.stdout)["dtype"] == "bfloat16"
+
+
+def test_position_buckets_split_the_figures_exactly(with_tokenizer, text_file, tokenizer, monkeypatch):
+    baseline, model = with_tokenizer("baseline", seed=0), with_tokenizer("model", seed=1, kv_heads=1)
+    source, window = TokenSource(text=text_file), 32
+    ids = torch.tensor(tokenizer(TEXT)["input_ids"])
+    windows = ids[: len(ids) // window * window].view(-1, window)
+    with torch.no_grad():  # the loss of the prediction made at each position t of each window: [windows, 31]
+        losses = F.cross_entropy(load_causal_lm(model)(windows).logits[:, :-1].transpose(1, 2).double(),
+                                 windows[:, 1:], reduction="none")
+    whole = evaluate_perplexity(model, baseline, source=source, window=window).to_json()
+
+    report = evaluate_perplexity(model, baseline, source=source, window=window, position_buckets=[8, 20])
+
+    buckets, n = report.by_position, len(windows)
+    assert report.to_json() | {"seconds": 0} == whole | {"by_position": report.to_json()["by_position"], "seconds": 0}
+    assert [(b.start, b.end, b.predictions) for b in buckets] == [(0, 8, 8 * n), (8, 20, 12 * n), (20, 32, 11 * n)]
+    assert sum(b.predictions for b in buckets) == report.tokens
+    direct = [math.exp(losses[:, start:end].mean()) for start, end in ((0, 8), (8, 20), (20, 31))]
+    assert [b.ppl for b in buckets] == pytest.approx(direct, rel=1e-5)
+    combined = {name: sum(b.predictions * value(b) for b in buckets) / report.tokens for name, value in {
+        "nll": lambda b: math.log(b.ppl), "baseline_nll": lambda b: math.log(b.baseline_ppl),
+        "nll_diff": lambda b: math.log1p(b.drift), "kl_per_token": lambda b: b.kl,
+        "top1_agreement": lambda b: b.top1}.items()}
+    assert combined == pytest.approx({name: getattr(report, name) for name in combined}, rel=1e-12, abs=1e-15)
+
+    monkeypatch.setattr(evaluate_module, "available_memory_bytes", lambda: 1)  # one model after the other
+    sequential = evaluate_perplexity(model, baseline, source=source, window=window, position_buckets=[8, 20])
+    assert [b.drift for b in sequential.by_position] == pytest.approx([b.drift for b in buckets], rel=1e-9)
+    assert all(b.kl is None and b.top1 is None for b in sequential.by_position)
+
+
+def test_position_buckets_on_the_command_line(with_tokenizer, text_file):
+    folder, shown = with_tokenizer(), {"start", "end", "predictions", "ppl"}
+    for baseline, keys in (([], shown), (["-b", folder], shown | {"baseline_ppl", "drift", "drift_stderr", "kl", "top1"})):
+        result = cli(folder, *baseline, "--text", text_file, "--window", 32, "--position-buckets", "8,20", "--json")
+        buckets = json.loads(result.stdout)["by_position"]
+        assert [(b["start"], b["end"]) for b in buckets] == [(0, 8), (8, 20), (20, 32)] and set(buckets[0]) == keys
+        check("eval.by_position[]", buckets[0])  # documented in docs/report.md
+        assert "by position in the window" in result.stderr
+    for buckets, message in (("8,x", "--position-buckets '8,x': expected token counts"),
+                             ("20,8", "the boundaries must rise from above 0 to at most 30"),
+                             ("31", "the boundaries must rise"), ("0,8", "the boundaries must rise")):
+        result = cli(folder, "--text", text_file, "--window", 32, "--position-buckets", buckets, "--json")
+        assert result.exit_code == 1 and json.loads(result.stdout)["kind"] == "input"
+        assert message in json.loads(result.stdout)["error"], result.stdout

@@ -20,12 +20,14 @@ _API = {  # public name → (module, attribute)
     "inspect_spectra": ("mlaconv.spectra", "spectra"),
     "SpectraOptions": ("mlaconv.spectra", "SpectraOptions"),
     "evaluate_perplexity": ("mlaconv.evaluate", "evaluate_perplexity"),
+    "evaluate_retrieval": ("mlaconv.retrieval", "evaluate_retrieval"),
     "TokenSource": ("mlaconv.io.text", "TokenSource"),
     "export_gguf": ("mlaconv.io.gguf", "export_gguf"),
     "MlaconvError": ("mlaconv.errors", "MlaconvError"),
     "ConversionReport": ("mlaconv.report", "ConversionReport"),
     "SpectraReport": ("mlaconv.report", "SpectraReport"),
     "EvalReport": ("mlaconv.report", "EvalReport"),
+    "RetrievalReport": ("mlaconv.report", "RetrievalReport"),
 }
 __all__ = ["__version__", *_API]
 

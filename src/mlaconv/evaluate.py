@@ -12,6 +12,9 @@ is one window of its own length, so sequences sampled at a fixed length are scor
 With a baseline, both models see the very same ids (tokenized with the baseline's tokenizer when it
 has one: a converted folder may resolve to another tokenizer class) and the report adds the relative
 drift, KL(baseline ‖ model) and top-1 agreement per scored token, and standard errors over windows.
+
+Position buckets split the figures by where in its window a prediction is made: the one at position t
+(of token t + 1, from tokens 0..t) falls in the bucket start ≤ t < end.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from mlaconv.io.text import TokenSource, cut_windows, load_eval_tokens
 from mlaconv.models import (DTYPES, available_memory_bytes, check_device, kv_cache_bytes_per_token, kv_cache_elements,
                             load_causal_lm, parameter_bytes, refuse_float16_mla)
 from mlaconv.report import EvalReport
+from mlaconv.report.evaluation import PositionBucket
 
 DEFAULT_WINDOW = 2048
 # Rows × vocab of logits turned into float32 log-probabilities at once (64 MiB per model).
@@ -48,10 +52,11 @@ class WindowScores:
     baseline_nll: torch.Tensor | None = None
     kl: torch.Tensor | None = None  # KL(baseline ‖ model)
     top1_agreements: torch.Tensor | None = None
+    by_position: dict[str, torch.Tensor] | None = None  # the same sums per position bucket, each [windows, buckets]
 
 
 @dataclass
-class _Models:
+class ModelPair:
     """The folders evaluated and their parsed configs, by role ("model", "baseline")."""
 
     model: Path
@@ -63,24 +68,30 @@ class _Models:
 
 
 def score_windows(model, windows: Sequence[torch.Tensor], batch_size: int = 1, baseline=None,
-                  progress: Progress = no_progress, description: str = "scoring windows") -> WindowScores:
+                  progress: Progress = no_progress, description: str = "scoring windows",
+                  position_buckets: Sequence[int] | None = None) -> WindowScores:
     """Run ``model`` (and ``baseline`` on the same batch) over ``windows``; keep only per-window sums.
 
     Consecutive windows of equal length are batched up to ``batch_size``; only the current batch's
     logits ([batch, length, vocab] per model) are held. Log-probabilities are taken in float32 over
-    row chunks and summed in float64.
+    row chunks and summed in float64. ``position_buckets`` (the inner boundaries, rising) adds the
+    sums per bucket of positions.
     """
     n = len(windows)
     scores = WindowScores(predictions=torch.zeros(n, dtype=torch.float64), nll=torch.zeros(n, dtype=torch.float64))
     if baseline is not None:
         scores.baseline_nll, scores.kl, scores.top1_agreements = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
+    edges = None if position_buckets is None else torch.tensor(position_buckets)
+    by_position = []  # per window: key → [buckets]
     batches = list(_batches(windows, batch_size))
     with torch.inference_mode():
         for first, ids in progress(batches, description, len(batches)):
             logits = model(ids.to(model.device), use_cache=False).logits
             baseline_logits = None if baseline is None else baseline(ids.to(baseline.device), use_cache=False).logits
             for row in range(ids.shape[0]):
-                sums = _prediction_sums(logits[row], ids[row], None if baseline_logits is None else baseline_logits[row])
+                sums, window_by_position = _prediction_sums(
+                    logits[row], ids[row], None if baseline_logits is None else baseline_logits[row], edges)
+                by_position.append(window_by_position)
                 index = first + row
                 scores.predictions[index] = ids.shape[1] - 1
                 scores.nll[index] = sums["nll"]
@@ -89,18 +100,23 @@ def score_windows(model, windows: Sequence[torch.Tensor], batch_size: int = 1, b
                     scores.kl[index] = sums["kl"]
                     scores.top1_agreements[index] = sums["top1_agreements"]
             del logits, baseline_logits
+    if edges is not None:
+        scores.by_position = {key: torch.stack([window[key] for window in by_position]) for key in by_position[0]}
     return scores
 
 
 def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *, source: TokenSource,
                         window: int | None = None, max_windows: int | None = None, batch_size: int = 1,
                         dtype: str = "float32", device: str | None = None, device_map: str | None = None,
-                        progress: Progress = no_progress, engine: str = "transformers") -> EvalReport:
+                        progress: Progress = no_progress, engine: str = "transformers",
+                        position_buckets: Sequence[int] | None = None) -> EvalReport:
     """WikiText-style perplexity of ``model`` (and ``baseline`` on the same windows), as a report.
 
     ``window`` defaults to 2048 or the shortest context of the models if that is less. Both models are
     loaded together when they fit in the memory of ``device`` (or of all GPUs with ``device_map``);
     otherwise they run one after the other and KL / top-1 agreement are reported as None with a note.
+    ``position_buckets`` (rising boundaries, e.g. [512, 2048]) adds the figures per bucket of positions
+    in the window ([0, 512), [512, 2048), [2048, window)) as ``by_position``.
 
     The report's keys are listed in docs/report.md ("eval").
     """
@@ -109,7 +125,7 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
     from mlaconv import engines
 
     engines.engine(engine)
-    folders = _resolve_models(model, baseline)
+    folders = resolve_models(model, baseline)
     differences: list[str] = []
     notes: list[str] = []
 
@@ -125,7 +141,7 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
 
     for role, folder in folders.folders().items():  # --dtype applies to both: float16 is out if either is MLA
         refuse_float16_mla(folder, folders.configs[role], torch_dtype)
-    context = _shortest_context(folders)
+    context = shortest_context(folders)
     window = window if window is not None else min(DEFAULT_WINDOW, context or DEFAULT_WINDOW)
     if context and window > context:
         raise MlaconvError(f"--window {window} is longer than the models' context ({context} tokens)")
@@ -139,19 +155,19 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
         raise MlaconvError(f"{tokens.source} has {stream_tokens} tokens, not one full window of {window}; "
                            "pass a longer text or a smaller --window")
     windows = windows[:max_windows]
-    _check_vocabulary(windows, folders)
+    _check_windows(windows, folders, position_buckets)
 
     placement = {"device": device, "device_map": device_map}
     if folders.baseline is None:
-        scores = score_windows(load_model(folders.model), windows, batch_size, progress=progress)
+        scores = score_windows(load_model(folders.model), windows, batch_size, progress=progress,
+                               position_buckets=position_buckets)
     else:
-        scores, note = _score_pair(folders, windows, batch_size, torch_dtype, placement, progress, load_model)
+        scores, note = _score_pair(folders, windows, batch_size, torch_dtype, placement, progress, load_model,
+                                   position_buckets)
         if note:
             notes.append(note)
 
-    figures = _perplexity(scores.nll, scores.predictions, prefix="")
-    if scores.baseline_nll is not None:
-        figures |= _perplexity(scores.baseline_nll, scores.predictions, prefix="baseline_") | _comparison(scores)
+    figures = _figures(scores)
     return EvalReport(
         model=str(folders.model),
         baseline=str(folders.baseline) if folders.baseline else None,
@@ -168,13 +184,15 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
         engine_differences=differences,
         **figures,
         **_kv_cache(folders, torch_dtype),
+        by_position=None if position_buckets is None else _by_position(scores, [0, *position_buckets, window]),
         notes=notes,
         seconds=round(time.perf_counter() - started, 2),
     )
 
 
-def _score_pair(folders: _Models, windows: list[torch.Tensor], batch_size: int, dtype: torch.dtype,
-                placement: dict, progress: Progress, load_model) -> tuple[WindowScores, str | None]:
+def _score_pair(folders: ModelPair, windows: list[torch.Tensor], batch_size: int, dtype: torch.dtype,
+                placement: dict, progress: Progress, load_model,
+                position_buckets: Sequence[int] | None) -> tuple[WindowScores, str | None]:
     """Both models on the same batches when they fit together; else one after the other, PPL only."""
     longest = max(len(ids) for ids in windows)
     vocab = max(int(config["vocab_size"]) for config in folders.configs.values())
@@ -184,22 +202,30 @@ def _score_pair(folders: _Models, windows: list[torch.Tensor], batch_size: int, 
     if need <= MEMORY_HEADROOM * have:
         model = load_model(folders.model)
         baseline = load_causal_lm(folders.baseline, dtype, **placement)
-        return score_windows(model, windows, batch_size, baseline=baseline, progress=progress), None
+        return score_windows(model, windows, batch_size, baseline=baseline, progress=progress,
+                             position_buckets=position_buckets), None
 
     baseline = load_causal_lm(folders.baseline, dtype, **placement)
-    baseline_scores = score_windows(baseline, windows, batch_size, progress=progress, description="scoring baseline")
+    baseline_scores = score_windows(baseline, windows, batch_size, progress=progress, description="scoring baseline",
+                                    position_buckets=position_buckets)
     del baseline
     model = load_model(folders.model)
-    scores = score_windows(model, windows, batch_size, progress=progress, description="scoring model")
+    scores = score_windows(model, windows, batch_size, progress=progress, description="scoring model",
+                           position_buckets=position_buckets)
     scores.baseline_nll = baseline_scores.nll
+    if scores.by_position is not None:
+        scores.by_position["baseline_nll"] = baseline_scores.by_position["nll"]
     note = (f"KL divergence and top-1 agreement need both models' logits at once: both models need "
             f"{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB is free, so they ran one after the other "
             "(perplexities only); use a bigger machine or --device-map auto over several GPUs")
     return scores, note
 
 
-def _prediction_sums(logits: torch.Tensor, ids: torch.Tensor, baseline_logits: torch.Tensor | None) -> dict[str, float]:
-    """Sums over one window's next-token predictions: NLL of each model, KL(baseline ‖ model), top-1 matches.
+def _prediction_sums(logits: torch.Tensor, ids: torch.Tensor, baseline_logits: torch.Tensor | None,
+                     edges: torch.Tensor | None = None) -> tuple[dict[str, float], dict[str, torch.Tensor] | None]:
+    """Sums over one window's next-token predictions: NLL of each model, KL(baseline ‖ model), top-1 matches;
+    with ``edges`` (position buckets' inner boundaries, [buckets − 1]) also per bucket, each [buckets] on the CPU,
+    with the count of predictions.
 
     logits, baseline_logits: [length, vocab] (any float dtype, any device); ids: [length] int64.
     Position t predicts ids[t + 1], so the last position is not scored.
@@ -207,19 +233,27 @@ def _prediction_sums(logits: torch.Tensor, ids: torch.Tensor, baseline_logits: t
     logits, labels = logits[:-1], ids[1:].to(logits.device)
     baseline_logits = None if baseline_logits is None else baseline_logits[:-1]
     rows = max(1, LOGIT_CHUNK_ELEMENTS // logits.shape[-1])
-    sums = {key: torch.zeros((), dtype=torch.float64, device=logits.device)
-            for key in ("nll", "baseline_nll", "kl", "top1_agreements")}
+    keys = ("nll",) if baseline_logits is None else ("nll", "baseline_nll", "kl", "top1_agreements")
+    sums = {key: torch.zeros((), dtype=torch.float64, device=logits.device) for key in keys}
+    bucket = None if edges is None else torch.bucketize(torch.arange(len(labels)), edges, right=True)
+    by_position = None if edges is None else {key: torch.zeros(len(edges) + 1, dtype=torch.float64) for key in keys}
     for start in range(0, len(labels), rows):
         chunk = slice(start, start + rows)
         logp = torch.log_softmax(logits[chunk].float(), -1)  # [rows, vocab]
         target = labels[chunk, None]  # [rows, 1]
-        sums["nll"] -= logp.gather(-1, target).double().sum()
+        per_prediction = {"nll": -logp.gather(-1, target)[:, 0]}  # each [rows]
         if baseline_logits is not None:
             base_logp = torch.log_softmax(baseline_logits[chunk].to(logits.device).float(), -1)
-            sums["baseline_nll"] -= base_logp.gather(-1, target).double().sum()
-            sums["kl"] += (base_logp.exp() * (base_logp - logp)).sum(-1).double().sum()
-            sums["top1_agreements"] += (base_logp.argmax(-1) == logp.argmax(-1)).double().sum()
-    return {key: value.item() for key, value in sums.items()}
+            per_prediction |= {"baseline_nll": -base_logp.gather(-1, target)[:, 0],
+                               "kl": (base_logp.exp() * (base_logp - logp)).sum(-1),
+                               "top1_agreements": base_logp.argmax(-1) == logp.argmax(-1)}
+        for key, values in per_prediction.items():
+            sums[key] += values.double().sum()
+            if by_position is not None:
+                by_position[key].index_add_(0, bucket[chunk], values.double().cpu())
+    if by_position is not None:
+        by_position["predictions"] = torch.bincount(bucket, minlength=len(edges) + 1).double()
+    return {key: value.item() for key, value in sums.items()}, by_position
 
 
 def _batches(windows: Sequence[torch.Tensor], batch_size: int) -> Iterator[tuple[int, torch.Tensor]]:
@@ -232,6 +266,26 @@ def _batches(windows: Sequence[torch.Tensor], batch_size: int) -> Iterator[tuple
             end += 1
         yield first, torch.stack(list(windows[first:end]))
         first = end
+
+
+def _figures(scores: WindowScores) -> dict:
+    """Perplexity, and with the baseline's NLL the baseline's and the comparison."""
+    figures = _perplexity(scores.nll, scores.predictions, prefix="")
+    if scores.baseline_nll is not None:
+        figures |= _perplexity(scores.baseline_nll, scores.predictions, prefix="baseline_") | _comparison(scores)
+    return figures
+
+
+def _by_position(scores: WindowScores, bounds: list[int]) -> list[PositionBucket]:
+    """The figures of each position bucket [bounds[i], bounds[i + 1]), from its columns of the per-window sums."""
+    buckets = []
+    for column, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        sums = {key: values[:, column] for key, values in scores.by_position.items()}
+        figures = _figures(WindowScores(**sums))
+        buckets.append(PositionBucket(start, end, int(sums["predictions"].sum().item()), figures["ppl"],
+                                      figures.get("baseline_ppl"), figures.get("drift"), figures.get("drift_stderr"),
+                                      figures.get("kl_per_token"), figures.get("top1_agreement")))
+    return buckets
 
 
 def _perplexity(nll: torch.Tensor, predictions: torch.Tensor, prefix: str) -> dict:
@@ -274,7 +328,7 @@ def _ratio_stderr(sums: torch.Tensor, counts: torch.Tensor) -> float | None:
     return (torch.sqrt(residual.square().sum() * windows / (windows - 1)) / counts.sum()).item()
 
 
-def _kv_cache(folders: _Models, dtype: torch.dtype) -> dict:
+def _kv_cache(folders: ModelPair, dtype: torch.dtype) -> dict:
     """KV-cache elements and bytes per token over all layers (MLA: r + R; GQA: 2·n_kv·d; per layer)."""
     elements = {role: kv_cache_elements(folders.configs[role]) * int(folders.configs[role]["num_hidden_layers"])
                 for role in folders.folders()}
@@ -301,11 +355,12 @@ def _parse_options(window: int | None, max_windows: int | None, batch_size: int,
     return DTYPES[dtype]
 
 
-def _resolve_models(model: str | Path, baseline: str | Path | None) -> _Models:
+def resolve_models(model: str | Path, baseline: str | Path | None) -> ModelPair:
+    """The folders of ``model`` and ``baseline`` and their configs; refused if their vocabularies differ."""
     model_folder = resolve_source(str(model))
     baseline_folder = resolve_source(str(baseline)) if baseline else None
     configs = {"model": read_config(model_folder)} | ({"baseline": read_config(baseline_folder)} if baseline else {})
-    folders = _Models(model_folder, baseline_folder, configs)
+    folders = ModelPair(model_folder, baseline_folder, configs)
     if baseline:
         vocab = {role: int(config["vocab_size"]) for role, config in folders.configs.items()}
         if vocab["model"] != vocab["baseline"]:
@@ -314,17 +369,25 @@ def _resolve_models(model: str | Path, baseline: str | Path | None) -> _Models:
     return folders
 
 
-def _shortest_context(folders: _Models) -> int | None:
+def shortest_context(folders: ModelPair) -> int | None:
+    """The shortest ``max_position_embeddings`` of the models, or None if none gives one."""
     contexts = [int(c["max_position_embeddings"]) for c in folders.configs.values() if c.get("max_position_embeddings")]
     return min(contexts) if contexts else None
 
 
-def _check_vocabulary(windows: Sequence[torch.Tensor], folders: _Models) -> None:
+def _check_windows(windows: Sequence[torch.Tensor], folders: ModelPair, position_buckets: Sequence[int] | None) -> None:
+    """Refuse ids outside the vocabulary, and position bucket boundaries that do not rise from above 0 to the last
+    position scored in the longest window."""
     vocab = min(int(config["vocab_size"]) for config in folders.configs.values())
     highest = max(int(ids.max()) for ids in windows)
     if highest >= vocab:
         raise MlaconvError(f"token id {highest} is outside the vocabulary of {vocab} ids: "
                            "the ids do not come from this model's tokenizer")
+    last = max(len(ids) for ids in windows) - 2
+    bounds = [0, *(position_buckets or ()), last + 1]
+    if any(low >= high for low, high in zip(bounds, bounds[1:])):
+        raise MlaconvError(f"--position-buckets {','.join(map(str, position_buckets))}: the boundaries must rise "
+                           f"from above 0 to at most {last}, the last position scored in a window of {last + 2} tokens")
 
 
 def _free_memory(device: str | None, device_map: str | None) -> int:

@@ -1,7 +1,8 @@
-"""``mlaconv eval perplexity MODEL [--baseline SRC]``."""
+"""``mlaconv eval perplexity MODEL [--baseline SRC]`` and ``mlaconv eval retrieval MODEL [--baseline SRC]``."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -12,7 +13,9 @@ from rich.table import Table
 from mlaconv.cli import eval_app
 from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
                                  report_console)
-from mlaconv.report import EvalReport
+from mlaconv.errors import MlaconvError
+from mlaconv.report import EvalReport, RetrievalReport
+from mlaconv.report.evaluation import DepthBucket, RetrievalLength
 
 
 @eval_app.command("perplexity")
@@ -31,6 +34,7 @@ def perplexity(
     device: Optional[str] = typer.Option(None, "--device", help="cpu (default), cuda, cuda:1, mps …"),
     device_map: Optional[str] = typer.Option(None, "--device-map", help="`auto` spreads each model over this machine's GPUs (accelerate)."),
     engine: str = typer.Option("transformers", "--engine", help="Score MODEL as this engine computes it: transformers, vllm, sglang or llamacpp (its dropped tensors, rope rewrite, ε and softmax scale applied to the transformers forward; refused where the engine would not run it)."),
+    position_buckets: Optional[str] = typer.Option(None, "--position-buckets", help="Also report the figures per bucket of positions in the window: boundaries such as 512,2k give [0, 512), [512, 2048), [2048, window)."),
     json_out: bool = JSON_OPTION,
     quiet: bool = QUIET_OPTION,
     debug: bool = DEBUG_OPTION,
@@ -44,10 +48,11 @@ def perplexity(
         from mlaconv.io.text import TokenSource
 
         source = TokenSource(text=text, dataset=dataset, tokens=tokens)
+        buckets = None if position_buckets is None else token_counts(position_buckets, "--position-buckets")
         with progress(quiet) as track:
             report = evaluate_perplexity(model, baseline, source=source, window=window, max_windows=max_windows,
                                          batch_size=batch_size, dtype=dtype, device=device, device_map=device_map,
-                                         progress=track, engine=engine)
+                                         progress=track, engine=engine, position_buckets=buckets)
         render_report(report, report_console(json_out))
         if json_out:
             emit_json(report.to_json())
@@ -84,8 +89,101 @@ def render_report(report: EvalReport, console) -> None:
         if report.kl_per_token is not None:
             line(console, f"KL(baseline ‖ model) {report.kl_per_token:.4g} per token, "
                           f"top-1 agreement {report.top1_agreement:.2%}")
+    if report.by_position:
+        console.print(_by_position_table(report))
     for note in report.notes:
         line(console, f"[yellow]note:[/] {escape(note)}")
+
+
+@eval_app.command("retrieval")
+def retrieval(
+    model: str = typer.Argument(..., help="Model to measure: a local folder or a hub id from the local cache."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", "-b", help="Source model to compare with, on the same prompts (written with its tokenizer)."),
+    lengths: Optional[str] = typer.Option(None, "--lengths", help="Prompt lengths in tokens, answer included (k = 1024), none over the models' context (default: those of 1k,2k,4k,8k within it)."),
+    trials: int = typer.Option(10, "--trials", help="Prompts per length; trial k of N hides the key at depth (k + 0.5) / N of the filler."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the keys."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 (both models; float16 is refused when either is an MLA checkpoint)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu (default), cuda, cuda:1, mps …"),
+    json_out: bool = JSON_OPTION,
+    quiet: bool = QUIET_OPTION,
+    debug: bool = DEBUG_OPTION,
+) -> None:
+    """Passkey retrieval at several lengths, side by side with the source: a 5-digit key hidden in filler text,
+    answered greedily; accuracy per length and per depth of the key.
+
+    --json prints the report; its keys are listed in docs/report.md ("retrieval").
+    """
+    with handle_errors(debug, json_out):
+        from mlaconv.retrieval import evaluate_retrieval
+
+        asked = None if lengths is None else token_counts(lengths, "--lengths")
+        with progress(quiet) as track:
+            report = evaluate_retrieval(model, baseline, lengths=asked, trials=trials, seed=seed, dtype=dtype,
+                                        device=device, progress=track)
+        render_retrieval(report, report_console(json_out))
+        if json_out:
+            emit_json(report.to_json())
+
+
+def render_retrieval(report: RetrievalReport, console) -> None:
+    """Right answers per length and depth of the key, one row per model, and the totals."""
+    line(console, f"passkey retrieval: {report.trials} prompts per length (keys from seed {report.seed}), greedy "
+                  f"answers of {report.new_tokens} tokens, {report.dtype} on {report.device}")
+    line(console, f"tokenizer: {escape(report.tokenizer)}")
+    roles = {"baseline": report.baseline, "model": report.model} if report.baseline else {"model": report.model}
+    table = Table(title="passkey: right answers")
+    for header in ("length", "prompt tokens", "", "all depths",
+                   *(f"depth {b.start * 100:.0f}–{b.end:.0%}" for b in report.lengths[0].by_depth)):
+        table.add_column(header, justify="left" if header == "" else "right", overflow="fold")
+    for length in report.lengths:
+        for role in roles:
+            first = role == next(iter(roles))
+            table.add_row(f"{length.length:,}" if first else "",
+                          "–".join(f"{n:,}" for n in sorted(set(length.prompt_tokens))) if first else "", role,
+                          _right(_accuracy(length, role), report.trials),
+                          *(_right(_accuracy(b, role), b.trials) for b in length.by_depth),
+                          end_section=role == "model")
+    console.print(table)
+    total = report.trials * len(report.lengths)
+    line(console, "all lengths: " + "; ".join(f"{role} {escape(folder)} {_right(_accuracy(report, role), total)}"
+                                              for role, folder in roles.items()))
+
+
+def token_counts(text: str, option: str) -> list[int]:
+    """Comma-separated token counts, ``k`` meaning 1024 (``1k,2k,4096`` → [1024, 2048, 4096]); refused in one line."""
+    counts = []
+    for part in text.split(","):
+        if not (match := re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", part)):
+            raise MlaconvError(f"{option} {text!r}: expected token counts separated by commas, such as 1k,2k,4096")
+        counts.append(int(match.group(1)) * (1024 if match.group(2) else 1))
+    return counts
+
+
+def _by_position_table(report: EvalReport) -> Table:
+    """The figures per bucket of positions in the window."""
+    table = Table(title="by position in the window")
+    compared = report.baseline is not None
+    headers = ["positions", "predictions", *(["baseline PPL"] if compared else []), "PPL",
+               *(["drift", "KL / token", "top-1"] if compared else [])]
+    for header in headers:
+        table.add_column(header, justify="right")
+    for b in report.by_position:
+        figures = [f"{b.ppl:.4f}"]
+        if compared:
+            figures = [f"{b.baseline_ppl:.4f}", *figures, _with_error(b.drift, b.drift_stderr, "{:+.2%}"),
+                       "—" if b.kl is None else f"{b.kl:.4g}", "—" if b.top1 is None else f"{b.top1:.2%}"]
+        table.add_row(f"[{b.start:,}, {b.end:,})", f"{b.predictions:,}", *figures)
+    return table
+
+
+def _accuracy(figures: RetrievalReport | RetrievalLength | DepthBucket, role: str) -> float:
+    """The share of right answers of ``role`` ("model" or "baseline") in a report, a length or a depth bucket."""
+    return figures.baseline_accuracy if role == "baseline" else figures.accuracy
+
+
+def _right(accuracy: float, trials: int) -> str:
+    """``right/trials (percent)``."""
+    return f"{round(accuracy * trials)}/{trials} ({accuracy:.0%})"
 
 
 def _with_error(value: float, stderr: float | None, fmt: str) -> str:

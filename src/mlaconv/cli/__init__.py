@@ -56,7 +56,7 @@ def _register_commands() -> None:
     """Import the sub-command modules; each registers itself on the apps above."""
     import importlib
 
-    for name in ("convert", "inspect", "evaluate", "bench", "export"):
+    for name in ("convert", "heal", "inspect", "evaluate", "bench", "export"):
         importlib.import_module(f"mlaconv.cli.{name}")
 
 

@@ -42,12 +42,7 @@ def tiny_latent(down: torch.Tensor, gamma: torch.Tensor, typical_rms: float,
                 delta: float = DEFAULT_DELTA, eps: float = LATENT_NORM_EPS) -> TinyLatent:
     """β, the norm weight and the up-projection scale for a latent ``down`` [r, H] read after norm weight γ [H]."""
     rank, hidden = down.shape
-    scaled = down * gamma[None, :]
-    largest = scaled.abs().max().item()
-    # σ_max² is the top eigenvalue of the r×r Gram: far cheaper than an SVD of the r×H matrix
-    # (formed from the matrix divided by its largest entry, so that it neither underflows nor overflows)
-    unit = scaled / largest if largest > 0 else scaled
-    sigma_max = largest * math.sqrt(max(torch.linalg.eigvalsh(unit @ unit.T)[-1].item(), 0.0)) if largest > 0 else 0.0
+    sigma_max = largest_singular_value(down * gamma[None, :])
     if sigma_max == 0.0 or typical_rms == 0.0:  # an all-zero latent: any scale is exact
         return TinyLatent(beta=1.0, norm_weight=1.0, up_scale=0.0, bound=0.0)
     beta = math.sqrt(delta * eps * rank / hidden) / sigma_max
@@ -57,6 +52,25 @@ def tiny_latent(down: torch.Tensor, gamma: torch.Tensor, typical_rms: float,
         up_scale=typical_rms,
         bound=(beta * sigma_max) ** 2 * hidden / rank / eps,
     )
+
+
+def largest_singular_value(matrix: torch.Tensor) -> float:
+    """σ_max of an [r, H] matrix, r ≤ H: the top eigenvalue of the r×r Gram, far cheaper than an SVD (formed from the
+    matrix divided by its largest entry, so that it neither underflows nor overflows)."""
+    largest = matrix.abs().max().item()
+    if largest == 0:
+        return 0.0
+    unit = matrix / largest
+    return largest * math.sqrt(max(torch.linalg.eigvalsh(unit @ unit.T)[-1].item(), 0.0))
+
+
+def latent_bound(latent_rows: torch.Tensor, input_norm: torch.Tensor, eps: float = LATENT_NORM_EPS) -> float:
+    """The proven bound on mean(c²)/ε over all tokens for the latent c = latent_rows·(input_norm ⊙ ĥ), ‖ĥ‖² < H: what
+    ``tiny_latent`` guarantees of the rows it makes, for rows as a checkpoint stores them (kv_a's first r rows and
+    the layer's input_layernorm weight)."""
+    rank, hidden = latent_rows.shape
+    sigma_max = largest_singular_value(latent_rows.double() * input_norm.double()[None, :])
+    return sigma_max**2 * hidden / rank / eps
 
 
 def input_scale(latent_rows: torch.Tensor, readers: list[torch.Tensor], input_rms: float,

@@ -1,0 +1,207 @@
+"""``mlaconv heal``: a bounded end-to-end distillation of a converted model towards its source.
+
+The conversion fits each layer on its own; what it loses compounds through the layers. Healing trains the tensors
+the conversion wrote anew, every layer's ``q_proj``, ``kv_a_proj_with_mqa`` and ``kv_b_proj``, end to end so that
+the converted model's next-token distributions match the source's, KL(source ‖ model) per token; every other tensor
+is frozen and written back byte for byte (the norms the conversion wrote, ``kv_a_layernorm``'s constant and the
+input norm's power-of-two scale, only rescale what these tensors already do).
+
+The source's distributions are computed once per window before training (``teacher_targets``: its top-k
+log-probabilities and the rest of its mass as one bucket), so the source is never in memory with the model being
+trained. Each trained tensor is a fixed per-row scale times a trained matrix (``RowScale``), so Adam's steps are
+relative to each row's size: the tiny latent's rows and the query's rows, 10⁶ apart, move alike.
+
+The windows of the calibration data are split three ways: *train* (the gradient steps), *select* (the best step,
+measured every ``check_every`` steps, is the one kept) and *held out* (measured before and after healing through
+``mlaconv eval perplexity``'s own code; nothing is chosen on them).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.utils.parametrize as parametrize
+
+from mlaconv.errors import MlaconvError
+from mlaconv.progress import Progress, no_progress
+
+TRAINED = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # per layer, under self_attn
+DEFAULT_LR = 1e-3  # Adam's step, relative to each row's RMS
+DEFAULT_WINDOW = 512
+DEFAULT_BATCH = 4  # windows per step
+DEFAULT_TOP_K = 64
+HELD_WINDOWS = 4  # select windows, and held-out windows, each
+CHECK_EVERY = 25  # steps between two measurements on the select windows
+CPU_SECONDS = 1800  # a CPU's default budget: as many tokens as fit in this, by the source's measured speed
+CUDA_TOKENS = 2**21  # a GPU's default budget
+STEP_COST = 3.5  # one training token costs about this many source forward tokens (forward, backward, the update)
+
+
+@dataclass(frozen=True)
+class HealOptions:
+    tokens: int | None = None  # training tokens (None: CPU_SECONDS of this machine, or CUDA_TOKENS)
+    window: int = DEFAULT_WINDOW
+    batch: int = DEFAULT_BATCH
+    lr: float = DEFAULT_LR
+    top_k: int = DEFAULT_TOP_K
+    check_every: int = CHECK_EVERY
+    device: str = "cpu"
+    seed: int = 0
+
+
+@dataclass
+class Targets:
+    """The source's next-token distributions on some windows: top-k log-probabilities and their token ids."""
+
+    logp: torch.Tensor  # [W, S, k] float32
+    ids: torch.Tensor  # [W, S, k] int64
+
+
+def teacher_targets(model, windows: torch.Tensor, top_k: int, progress: Progress = no_progress,
+                    label: str = "source distributions") -> Targets:
+    """The top-k log-probabilities of ``model`` at every position of ``windows`` [W, S], one window at a time."""
+    logp, ids = [], []
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        for window in progress(windows, label, len(windows)):
+            scores = model(window[None].to(device), use_cache=False).logits[0].float().log_softmax(-1)
+            values, indices = scores.topk(top_k, dim=-1)
+            logp.append(values.cpu())
+            ids.append(indices.cpu())
+    return Targets(torch.stack(logp), torch.stack(ids))
+
+
+def sparse_kl(logits: torch.Tensor, logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Σ over positions of KL between the source and the model, both coarsened to the source's top-k tokens and one
+    bucket for the rest (a lower bound on the full KL, equal to it when the top-k hold all the mass).
+
+    logits [S, V] of the model; logp, ids [S, k] of the source."""
+    model_logp = logits.float().log_softmax(-1).gather(-1, ids)  # [S, k]
+    p = logp.exp()
+    rest_p = (1 - p.sum(-1)).clamp_min(1e-12)
+    rest_q = (1 - model_logp.exp().sum(-1)).clamp_min(1e-12)
+    return ((p * (logp - model_logp)).sum(-1) + rest_p * (rest_p.log() - rest_q.log())).sum()
+
+
+class RowScale(torch.nn.Module):
+    """W = scale ⊙ P with a fixed per-row scale: the parametrization that makes Adam's steps relative per row."""
+
+    def __init__(self, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("scale", scale)
+
+    def forward(self, trained: torch.Tensor) -> torch.Tensor:
+        return trained * self.scale
+
+    def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight / self.scale
+
+
+def trained_modules(model) -> dict[str, torch.nn.Linear]:
+    """The converted model's trained linear layers, by the name of their weight in the checkpoint."""
+    modules = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in TRAINED:
+            modules[f"model.layers.{i}.self_attn.{name}.weight"] = getattr(layer.self_attn, name)
+    return modules
+
+
+def make_trainable(model) -> list[torch.nn.Parameter]:
+    """Freeze ``model`` but for the trained tensors, each reparametrized by ``RowScale``; return their parameters."""
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    trained = []
+    for module in trained_modules(model).values():
+        weight = module.weight.detach()
+        scale = weight.pow(2).mean(1, keepdim=True).sqrt()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        parametrize.register_parametrization(module, "weight", RowScale(scale))
+        original = module.parametrizations.weight.original
+        original.requires_grad_(True)
+        trained.append(original)
+    return trained
+
+
+def trained_weights(model) -> dict[str, torch.Tensor]:
+    """The trained tensors as the checkpoint stores them (scale ⊙ P), detached on the CPU."""
+    with torch.no_grad():
+        return {name: module.weight.detach().cpu().clone() for name, module in trained_modules(model).items()}
+
+
+def mean_kl(model, windows: torch.Tensor, targets: Targets) -> float:
+    """The sparse KL per token of ``model`` on ``windows`` against ``targets``."""
+    device = next(model.parameters()).device
+    total = 0.0
+    with torch.no_grad():
+        for k, window in enumerate(windows):
+            logits = model(window[None].to(device), use_cache=False).logits[0]
+            total += sparse_kl(logits, targets.logp[k].to(device), targets.ids[k].to(device)).item()
+    return total / windows.numel()
+
+
+@dataclass
+class Training:
+    steps: int
+    best_step: int
+    select_before: float
+    select_after: float
+    seconds: float
+    curve: list[tuple[int, float]]  # (step, select KL) at every check
+
+
+def train(model, train_windows: torch.Tensor, train_targets: Targets, select_windows: torch.Tensor,
+          select_targets: Targets, steps: int, options: HealOptions, progress: Progress = no_progress,
+          label: str = "healing") -> tuple[dict[str, torch.Tensor], Training]:
+    """Adam on the trained tensors of ``model`` over ``steps`` steps of ``options.batch`` training windows (drawn
+    in a seeded order, epoch after epoch); the best state on the select windows (the start included) is returned."""
+    started = time.perf_counter()
+    parameters = make_trainable(model)
+    optimizer = torch.optim.Adam(parameters, lr=options.lr)
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(options.seed)
+    order: list[int] = []
+    model.eval()  # no dropout; gradients flow regardless
+    before = best = mean_kl(model, select_windows, select_targets)
+    best_state, best_step, curve = trained_weights(model), 0, [(0, before)]
+    for step in progress(range(1, steps + 1), label, steps):
+        optimizer.zero_grad(set_to_none=True)
+        tokens = 0
+        for _ in range(options.batch):
+            if not order:
+                order = torch.randperm(len(train_windows), generator=generator).tolist()
+            k = order.pop()
+            logits = model(train_windows[k][None].to(device), use_cache=False).logits[0]
+            loss = sparse_kl(logits, train_targets.logp[k].to(device), train_targets.ids[k].to(device))
+            (loss / (options.batch * train_windows.shape[1])).backward()
+            tokens += train_windows.shape[1]
+        optimizer.step()
+        if step % options.check_every == 0 or step == steps:
+            measured = mean_kl(model, select_windows, select_targets)
+            curve.append((step, measured))
+            if measured < best:
+                best, best_step, best_state = measured, step, trained_weights(model)
+    training = Training(steps, best_step, before, best, time.perf_counter() - started, curve)
+    return best_state, training
+
+
+def default_tokens(device: str, seconds_per_token: float, window: int, batch: int) -> int:
+    """The default budget: CUDA_TOKENS on a GPU; on a CPU as many whole steps as fit in CPU_SECONDS at
+    ``seconds_per_token`` of the source's forward pass (measured), at least one."""
+    step_tokens = window * batch
+    if device.startswith("cuda"):
+        return CUDA_TOKENS
+    steps = max(1, int(CPU_SECONDS / (STEP_COST * seconds_per_token * step_tokens)))
+    return steps * step_tokens
+
+
+def check_options(options: HealOptions) -> None:
+    if options.tokens is not None and options.tokens < options.window * options.batch:
+        raise MlaconvError(f"--tokens {options.tokens} is less than one step ({options.batch} windows of "
+                           f"{options.window})")
+    if options.window < 2 or options.batch < 1 or options.top_k < 1 or options.check_every < 1:
+        raise MlaconvError("--window must be ≥ 2 and --batch, --top-k and --check-every ≥ 1")
+    if not (0 < options.lr < 1) or not math.isfinite(options.lr):
+        raise MlaconvError(f"--lr must be in (0, 1), got {options.lr}")

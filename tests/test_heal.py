@@ -1,0 +1,145 @@
+"""Healing on a tiny model: the held-out KL falls, frozen tensors keep their bytes, the layout and the tiny-latent
+bound hold, a stop mid-way leaves nothing half-written, and bad input is refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from mlaconv.cli import app
+from mlaconv.conversion import convert
+from mlaconv.errors import MlaconvError
+from mlaconv.heal import HealOptions, heal
+from mlaconv.heal import run as heal_run
+from mlaconv.mla.latent_norm import latent_bound
+from mlaconv.options import ConvertOptions
+from mlaconv.plan import CalibrationData
+
+from conftest import hashes, leftovers
+
+
+def sampled_ids(path: Path, count: int = 40, length: int = 48, seed: int = 0) -> Path:
+    """Token ids of text-like data for a model without a tokenizer: random ids."""
+    generator = torch.Generator().manual_seed(seed)
+    path.write_text("".join(json.dumps({"input_ids": torch.randint(0, 96, (length,), generator=generator).tolist()})
+                            + "\n" for _ in range(count)))
+    return path
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as shard:
+            out.update({name: shard.get_tensor(name) for name in shard.keys()})
+    return out
+
+
+@pytest.fixture
+def converted(tiny_model, tmp_path):
+    src = tiny_model(kv_heads=2, head_dim=16, layers=2)
+    out = tmp_path / "conv"
+    convert(str(src), out, ConvertOptions(rank=8, rope_dim=8, weights_only=True))
+    return src, out, sampled_ids(tmp_path / "ids.jsonl")
+
+
+def run_heal(src, folder, ids, out, force: bool = False, **options):
+    options = {"window": 24, "tokens": 96 * 60, "lr": 0.1, "check_every": 20, **options}
+    return heal(folder, str(src), out, CalibrationData((str(ids),), None, ids.name), HealOptions(**options),
+                force=force)
+
+
+def test_healing_lowers_the_held_out_kl_and_keeps_everything_else(converted, tmp_path):
+    src, folder, ids = converted
+    before = hashes(folder)
+    report = run_heal(src, folder, ids, tmp_path / "healed")
+    healed = tmp_path / "healed"
+    assert hashes(folder) == before  # the input is never written
+    assert report.held_out_after.kl < 0.9 * report.held_out_before.kl, (report.held_out_before, report.held_out_after)
+    assert report.select_kl_after < report.select_kl_before and report.best_step > 0
+    assert set(report.held_out_windows).isdisjoint(report.select_windows)
+    old, new = tensors(folder), tensors(healed)
+    assert {n: (t.shape, t.dtype) for n, t in old.items()} == {n: (t.shape, t.dtype) for n, t in new.items()}
+    changed = {name for name in old if not torch.equal(old[name], new[name])}
+    trained = {f"model.layers.{i}.self_attn.{t}.weight" for i in range(2)
+               for t in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")}
+    norms = {f"model.layers.{i}.self_attn.kv_a_layernorm.weight" for i in report.rescaled_layers}
+    assert trained <= changed <= trained | norms
+    assert json.loads((healed / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
+    for i in range(2):
+        kv_a = new[f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight"]
+        assert latent_bound(kv_a[:8], new[f"model.layers.{i}.input_layernorm.weight"]) <= 1e-5 * (1 + 1e-9)
+    written = json.loads((healed / "mlaconv.json").read_text())
+    assert written["heal"]["held_out_after"]["kl"] == report.held_out_after.kl
+    assert written["verdict"]["level"] in ("close", "degraded", "broken") and written["output"] == str(healed)
+    assert "## Healing" in (healed / "README.md").read_text()
+
+
+def test_the_healed_model_runs_as_it_was_measured(converted, tmp_path):
+    """The held-out figures are the healed folder's own, through AutoModelForCausalLM (recomputed here)."""
+    from transformers import AutoModelForCausalLM
+
+    src, folder, ids = converted
+    report = run_heal(src, folder, ids, tmp_path / "healed", tokens=96 * 10)
+    lines = [json.loads(line)["input_ids"] for line in ids.read_text().splitlines()]
+    windows = [ids_[k:k + 24] for ids_ in lines for k in (0, 24)]  # each line of 48 is cut into two windows
+    held = torch.tensor([windows[k] for k in report.held_out_windows])
+    source = AutoModelForCausalLM.from_pretrained(src).eval()
+    healed = AutoModelForCausalLM.from_pretrained(tmp_path / "healed").eval()
+    with torch.no_grad():
+        p = source(held).logits[:, :-1].double().log_softmax(-1)
+        q = healed(held).logits[:, :-1].double().log_softmax(-1)
+    assert (p.exp() * (p - q)).sum(-1).mean().item() == pytest.approx(report.held_out_after.kl, rel=1e-4)
+
+
+def test_a_stop_mid_way_leaves_nothing_half_written(converted, tmp_path, monkeypatch):
+    src, folder, ids = converted
+    before = hashes(folder)
+    real_write = heal_run._write
+
+    def interrupted(folder, tmp, state):
+        real_write(folder, tmp, state)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(heal_run, "_write", interrupted)
+    for out, force in ((tmp_path / "healed", False), (folder, True)):
+        with pytest.raises(KeyboardInterrupt):
+            run_heal(src, folder, ids, out, force=force, tokens=96 * 2)
+        assert not (tmp_path / "healed").exists() and leftovers(out) == []
+        assert hashes(folder) == before
+
+
+def test_bad_input_is_refused_in_one_line(converted, tmp_path, tiny_model):
+    src, folder, ids = converted
+    runner = CliRunner()
+
+    def refused(*args) -> dict:
+        result = runner.invoke(app, ["heal", "--json", *map(str, args)])
+        assert result.exit_code == 1, result.output
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    assert "--force" in refused(folder, "--source", src, "--calib", ids)["error"]  # in place needs --force
+    other = tiny_model("other", kv_heads=2, head_dim=16, layers=3)
+    assert "not the one" in refused(folder, "--source", other, "--calib", ids, "--out", tmp_path / "x")["error"]
+    assert "not a folder `mlaconv convert` wrote" in refused(src, "--source", src, "--calib", ids, "--out",
+                                                               tmp_path / "y")["error"]
+    assert "less than one step" in refused(folder, "--source", src, "--calib", ids, "--out", tmp_path / "z",
+                                           "--tokens", 5)["error"]
+    assert "no tokenizer" in refused(folder, "--source", src, "--out", tmp_path / "w")["error"]
+    with pytest.raises(MlaconvError, match="windows"):
+        run_heal(src, folder, sampled_ids(tmp_path / "few.jsonl", count=3), tmp_path / "v")
+    assert not any((tmp_path / name).exists() for name in "xyzwv")
+
+
+def test_the_command_line_prints_the_report(converted, tmp_path):
+    src, folder, ids = converted
+    result = CliRunner().invoke(app, ["heal", "--json", str(folder), "--source", str(src), "--calib", str(ids),
+                                      "--out", str(tmp_path / "healed"), "--window", "24", "--tokens", "960"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["steps"] == 10 and report["tokens"] == 960 and report["trained"][0] == "self_attn.q_proj"
+    assert report["verdict"]["level"] in ("close", "degraded", "broken")

@@ -99,13 +99,13 @@ def test_the_healed_model_runs_as_it_was_measured(converted, tmp_path):
 def test_a_stop_mid_way_leaves_nothing_half_written(converted, tmp_path, monkeypatch):
     src, folder, ids = converted
     before = hashes(folder)
-    real_write = heal_run._write
+    real_write = heal_run._rewrite
 
-    def interrupted(folder, tmp, state):
-        real_write(folder, tmp, state)
+    def interrupted(folder, into, state):
+        real_write(folder, into, state)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(heal_run, "_write", interrupted)
+    monkeypatch.setattr(heal_run, "_rewrite", interrupted)
     for out, force in ((tmp_path / "healed", False), (folder, True)):
         with pytest.raises(KeyboardInterrupt):
             run_heal(src, folder, ids, out, force=force, tokens=96 * 2)

@@ -116,3 +116,20 @@ def test_reports_read_back_from_json_as_they_were(reports, tmp_path):
     assert written["verify"] == {"error": "the built-in check failed: out of memory"} and "eval" not in written
     assert list(written)[-2:] == ["note", "seconds"]
     assert ConversionReport.from_json(written) == failed
+
+
+def test_heal_report_keys_are_documented(reports, tmp_path):
+    from mlaconv.heal import HealOptions, heal
+    from mlaconv.plan import CalibrationData
+
+    converted, _ = reports
+    ids = write_ids(tmp_path / "ids.jsonl", 24, 24, 96, seed=4)
+    report = heal(converted.output, converted.source, tmp_path / "healed", CalibrationData((str(ids),), None, "ids"),
+                  HealOptions(window=24, tokens=96 * 2, check_every=1))
+    written = json.loads((tmp_path / "healed" / "mlaconv.json").read_text())
+    check("convert", written | {"seconds": 0.0})  # mlaconv.json is written before the wall time is known
+    check("convert.heal", written["heal"])
+    check("convert.verdict", written["verdict"])
+    printed = json.loads(json.dumps(report.to_json()))  # what `mlaconv heal --json` prints: the verdict added
+    assert printed.pop("verdict") == written["verdict"] and written["heal"] == printed
+    assert ConversionReport.from_json(written).heal == replace(report, verdict=None)

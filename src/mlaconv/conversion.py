@@ -216,6 +216,13 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         if streamer:
             report.mode = "calibrated"
             report.calibration = step.report()
+        if options.heal_tokens:
+            from mlaconv.heal import HealOptions
+            from mlaconv.heal.run import heal_folder
+
+            report.heal = heal_folder(tmp, tmp, folder, spec, plan.calibration, HealOptions(
+                tokens=options.heal_tokens, device=options.calibration_device), plan.shapes.rank, options.delta,
+                progress)
         if options.verify:
             from mlaconv.verify import verify
 

@@ -104,6 +104,9 @@ class ConvertOptions:
     # them (tokens·H·4 bytes). More training windows measured better on the audit windows (bench/README.md, issue 16)
     refine_batch: int = REFINE_BATCH  # windows per step when refine_steps is given (the default plan chooses its own)
     refine_check_every: int = CHECK_EVERY  # steps between select-window measurements when refine_steps is given
+    heal_tokens: int | None = option(None, "After converting, heal the model (`mlaconv heal`): train its attention "
+                                           "tensors end to end towards the source on this many tokens of the "
+                                           "calibration data (0: off).", int, recipe=(int,))
     absorbed: bool = option(False, "Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to "
                                    "OUT/absorbed.", bool)
     recipe: str | None = None

@@ -259,6 +259,10 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
         raise MlaconvError(f"--absorbed is refused for this model: {LONGROPE_REFUSAL}")
     if options.calib_tokens < 1:
         raise MlaconvError(f"--calib-tokens must be positive, got {options.calib_tokens}")
+    if options.heal_tokens and calibration is None:
+        raise MlaconvError("--heal-tokens trains on calibration data: give --calib (or drop --weights-only)")
+    if options.heal_tokens is not None and options.heal_tokens < 0:
+        raise MlaconvError(f"--heal-tokens must be ≥ 0, got {options.heal_tokens}")
     if options.refine_steps is not None and options.refine_steps < 0:
         raise MlaconvError(f"--refine-steps must be ≥ 0, got {options.refine_steps}")
     if options.refine_batch < 1 or options.refine_check_every < 1:

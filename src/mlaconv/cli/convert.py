@@ -97,6 +97,10 @@ def render_report(report: ConversionReport, console) -> None:
                            if figures)
         line(console, f"whole model on the {whole.windows} audit windows ({whole.tokens} tokens): {models}; "
                       f"written: {whole.written} ({escape(whole.reason)})")
+    if report.heal is not None:
+        from mlaconv.cli.heal import render_healing
+
+        render_healing(report.heal, console)
     _render_checks(report, console)
     target = report.target
     line(console, f"target {target.name}: {', '.join(target.engines)}")

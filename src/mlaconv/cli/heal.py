@@ -71,16 +71,21 @@ def heal(
 
 
 def render_report(report: HealReport, console) -> None:
+    render_healing(report, console)
+    if report.verdict is not None:
+        colour = {"close": "green", "degraded": "yellow", "broken": "bold red"}.get(report.verdict.level, "yellow")
+        line(console, f"[{colour}]verdict:[/] {escape(report.verdict.message)}")
+
+
+def render_healing(report: HealReport, console) -> None:
+    """What healing did and measured (also a part of ``convert --heal-tokens``' report)."""
     before, after = report.held_out_before, report.held_out_after
     line(console, f"[bold green]healed[/] on {escape(report.calibration_data)}: {report.tokens:,} tokens in "
                   f"{report.steps} steps of {report.batch} × {report.window} (best step {report.best_step}), "
                   f"{report.seconds / 60:.1f} min (estimated {report.estimated_seconds / 60:.1f})")
-    line(console, f"held out ({after.tokens:,} predictions): drift {before.drift:+.2%} → {after.drift:+.2%}, "
-                  f"KL {before.kl:.4g} → {after.kl:.4g}, top-1 {before.top1:.2%} → {after.top1:.2%}")
+    line(console, f"healing's held-out windows ({after.tokens:,} predictions): drift {before.drift:+.2%} → "
+                  f"{after.drift:+.2%}, KL {before.kl:.4g} → {after.kl:.4g}, top-1 {before.top1:.2%} → {after.top1:.2%}")
     line(console, f"tiny latent: max mean(c²)/ε {report.latent_bound:.3g} over all tokens (proven bound)"
                   + (f"; rescaled in layers {report.rescaled_layers}" if report.rescaled_layers else ""))
     for note in report.notes:
         line(console, f"[yellow]note:[/] {escape(note)}")
-    if report.verdict is not None:
-        colour = {"close": "green", "degraded": "yellow", "broken": "bold red"}.get(report.verdict.level, "yellow")
-        line(console, f"[{colour}]verdict:[/] {escape(report.verdict.message)}")

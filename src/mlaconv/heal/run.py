@@ -5,6 +5,7 @@ re-proved, and the output written atomically with its report, check, verdict and
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -16,7 +17,7 @@ import torch
 from mlaconv import deepseek
 from mlaconv.calibration_windows import load_calibration_tokens
 from mlaconv.errors import MlaconvError
-from mlaconv.heal.distill import (HELD_WINDOWS, TRAINED, HealOptions, check_options, default_tokens,
+from mlaconv.heal.distill import (HELD_WINDOWS, STEP_COST, TRAINED, HealOptions, check_options, default_tokens,
                                   teacher_targets, train)
 from mlaconv.io import atomic_output_dir, check_output_target
 from mlaconv.io.text import TokenSource
@@ -45,49 +46,58 @@ def heal(folder: str | Path, source: str, out: str | Path, data: CalibrationData
     elif not force:
         raise MlaconvError(f"healing {folder} in place replaces it: pass --force, or --out NEW for a new folder")
     _check_pair(folder, spec)
-    windows = load_calibration_tokens(source_folder, spec, list(data.files), data.dataset, ALL_WINDOWS,
-                                      options.window, options.seed)
+    with atomic_output_dir(out, force=force) as tmp:
+        result = heal_folder(folder, tmp, source_folder, spec, data, options, report.kv_lora_rank,
+                             report.latent_norm.delta or DEFAULT_DELTA, progress)
+        result.seconds = round(time.perf_counter() - started, 1)
+        _update_report(tmp, out, source_folder, spec, report, result)
+    return result
+
+
+def heal_folder(folder: Path, into: Path, source: Path, spec, data: CalibrationData, options: HealOptions, rank: int,
+                delta: float, progress: Progress = no_progress) -> HealReport:
+    """Heal the converted checkpoint in ``folder`` (latent rank ``rank``, tiny-latent bound ``delta``) towards
+    ``source`` into the folder ``into`` (``folder`` itself: its shards rewritten in place)."""
+    started = time.perf_counter()
+    windows = load_calibration_tokens(source, spec, list(data.files), data.dataset, ALL_WINDOWS, options.window,
+                                      options.seed)
     if windows.shape[0] < 2 * HELD_WINDOWS + 1:
         raise MlaconvError(f"the calibration data holds {windows.shape[0]} windows of {windows.shape[1]} tokens; "
                            f"healing needs at least {2 * HELD_WINDOWS + 1} (give more text or a smaller --window)")
     order = torch.randperm(windows.shape[0], generator=torch.Generator().manual_seed(options.seed)).tolist()
     select, held, pool = order[:HELD_WINDOWS], order[HELD_WINDOWS:2 * HELD_WINDOWS], order[2 * HELD_WINDOWS:]
+    window = windows.shape[1]
 
-    teacher = load_causal_lm(source_folder, torch.float32, device=options.device)
+    teacher = load_causal_lm(source, torch.float32, device=options.device)
     timed = time.perf_counter()
     select_targets = teacher_targets(teacher, windows[select], options.top_k, progress, "source on the select windows")
-    seconds_per_token = (time.perf_counter() - timed) / (len(select) * windows.shape[1])
-    tokens = options.tokens or default_tokens(options.device, seconds_per_token, windows.shape[1], options.batch)
-    steps = max(1, tokens // (options.batch * windows.shape[1]))
-    train_ids = pool[: steps * options.batch]
-    estimate = seconds_per_token * windows.shape[1] * (len(train_ids) + steps * options.batch * 3.5)
+    seconds_per_token = (time.perf_counter() - timed) / (len(select) * window)
+    tokens = options.tokens or default_tokens(options.device, seconds_per_token, window, options.batch)
+    steps = max(1, tokens // (options.batch * window))
+    train_ids = pool[: steps * options.batch]  # fewer than the steps draw: they are drawn epoch after epoch
+    estimate = seconds_per_token * window * (len(train_ids) + steps * options.batch * STEP_COST)
     train_targets = teacher_targets(teacher, windows[train_ids], options.top_k, progress,
                                     "source on the training windows")
     del teacher
 
-    before = _held_out_figures(folder, source_folder, windows[held], progress)
+    before = _held_out_figures(folder, source, windows[held], progress)
     model = load_causal_lm(folder, torch.float32, device=options.device)
-    label = (f"healing: {steps} steps of {options.batch} × {windows.shape[1]} tokens (~{estimate / 60:.0f} min by "
-             "this machine's measured speed)")
+    label = f"healing: {steps} steps of {options.batch} × {window} tokens (~{estimate / 60:.0f} min by this machine's speed)"
     state, training = train(model, windows[train_ids], train_targets, windows[select], select_targets, steps,
                             options, progress, label)
     del model
-    state, bound, rescaled = _tiny_latent(folder, report, state)
-    with atomic_output_dir(out, force=force) as tmp:
-        _write(folder, tmp, state)
-        after = _held_out_figures(tmp, source_folder, windows[held], progress)
-        result = HealReport(
-            source=str(source_folder), calibration_data=data.description, window=windows.shape[1],
-            batch=options.batch, lr=options.lr, top_k=options.top_k, device=options.device,
-            trained=[f"self_attn.{name}" for name in TRAINED], tokens=steps * options.batch * windows.shape[1],
-            steps=steps, best_step=training.best_step, train_windows=len(set(train_ids)),
-            select_windows=select, held_out_windows=held, select_kl_before=training.select_before,
-            select_kl_after=training.select_after, curve=[list(point) for point in training.curve],
-            held_out_before=before, held_out_after=after, latent_bound=bound, rescaled_layers=rescaled,
-            estimated_seconds=round(estimate, 1), seconds=0.0)
-        result.seconds = round(time.perf_counter() - started, 1)
-        _update_report(tmp, out, source_folder, spec, report, result)
-    return result
+    state, bound, rescaled = _tiny_latent(folder, rank, delta, state)
+    _rewrite(folder, into, state)
+    after = _held_out_figures(into, source, windows[held], progress)
+    return HealReport(
+        source=str(source), calibration_data=data.description, window=window, batch=options.batch, lr=options.lr,
+        top_k=options.top_k, device=options.device, trained=[f"self_attn.{name}" for name in TRAINED],
+        tokens=steps * options.batch * window, steps=steps, best_step=training.best_step,
+        train_windows=len(train_ids), select_windows=select, held_out_windows=held,
+        select_kl_before=training.select_before, select_kl_after=training.select_after,
+        curve=[list(point) for point in training.curve], held_out_before=before, held_out_after=after,
+        latent_bound=bound, rescaled_layers=rescaled, estimated_seconds=round(estimate, 1),
+        seconds=round(time.perf_counter() - started, 1))
 
 
 def _converted_report(folder: Path) -> ConversionReport:
@@ -121,16 +131,15 @@ def _held_out_figures(model: Path, source: Path, windows: torch.Tensor, progress
     return HealFigures(result.drift, result.kl_per_token, result.top1_agreement, result.tokens)
 
 
-def _tiny_latent(folder: Path, report: ConversionReport, state: dict[str, torch.Tensor]):
+def _tiny_latent(folder: Path, rank: int, delta: float, state: dict[str, torch.Tensor]):
     """Each layer's kv_a latent rows re-proved tiny (``latent_bound`` ≤ δ, as stored); where training grew them past
     it, the rows are scaled to 99% of it and kv_a_layernorm's weight up by the same factor (the same function while
     the norm is linear). Returns the state as stored, the largest bound and the layers rescaled."""
     from mlaconv.io import CheckpointReader
     from mlaconv.pipeline import checkpoint_layers
 
-    rank, delta = report.kv_lora_rank, report.latent_norm.delta or DEFAULT_DELTA
     reader, bounds, rescaled = CheckpointReader(folder), [], []
-    for layer in checkpoint_layers(reader, report.source_shape.layers):
+    for layer in checkpoint_layers(reader, json.loads((folder / "config.json").read_text())["num_hidden_layers"]):
         i, prefix = layer.index, layer.prefix
         kv_a_name, norm_name = prefix + deepseek.KV_A_PROJ, prefix + deepseek.KV_A_NORM
         gamma = reader.get(prefix + deepseek.INPUT_NORM)
@@ -151,27 +160,31 @@ def _tiny_latent(folder: Path, report: ConversionReport, state: dict[str, torch.
     return state, max(bounds), rescaled
 
 
-def _write(folder: Path, tmp: Path, state: dict[str, torch.Tensor]) -> None:
-    """``folder``'s files in ``tmp``, with the shards that hold a tensor of ``state`` written anew (each tensor in
-    its stored dtype; every other tensor's bytes as they were)."""
+def _rewrite(folder: Path, into: Path, state: dict[str, torch.Tensor]) -> None:
+    """``folder``'s files in ``into`` with the shards that hold a tensor of ``state`` written anew (each tensor in
+    its stored dtype; every other tensor's bytes as they were); ``into`` may be ``folder`` itself, whose shards are
+    then each replaced whole (``os.replace``)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    in_place = into.resolve() == folder.resolve()
     for path in sorted(folder.iterdir()):
-        if path.is_dir():
+        if path.is_dir() or (in_place and path.suffix != ".safetensors"):
             continue
-        if path.suffix != ".safetensors":
-            shutil.copy2(path, tmp / path.name)
-            continue
-        with safe_open(str(path), framework="pt") as shard:
-            names, metadata = list(shard.keys()), shard.metadata()
-            if not set(names) & set(state):
-                shutil.copy2(path, tmp / path.name)
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as shard:
+                names, metadata = list(shard.keys()), shard.metadata()
+                changed = set(names) & set(state)
+                tensors = {name: shard.get_tensor(name) for name in names} if changed else None
+            if tensors is not None:
+                for name in changed:
+                    tensors[name] = state[name].to(tensors[name].dtype).contiguous()
+                part = into / (path.name + ".part")
+                save_file(tensors, str(part), metadata=metadata)
+                os.replace(part, into / path.name)
                 continue
-            tensors = {name: shard.get_tensor(name) for name in names}
-        for name in set(names) & set(state):
-            tensors[name] = state[name].to(tensors[name].dtype).contiguous()
-        save_file(tensors, str(tmp / path.name), metadata=metadata)
+        if not in_place:
+            shutil.copy2(path, into / path.name)
 
 
 def _update_report(tmp: Path, out: Path, source: Path, spec, report: ConversionReport, result: HealReport) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,13 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from conftest import ROOT
 from mlaconv.plan import load_source, plan_shapes
 from mlaconv.mla.layer import AttentionShape
 from mlaconv.models import load_causal_lm
 
-sys.path.insert(0, str(ROOT / "bench"))
-from baselines import augmented, convert_joint_svd, convert_transmla, rorope_basis  # noqa: E402
+from bench.baselines.methods import augmented, convert_joint_svd, convert_transmla, rorope_basis  # noqa: E402
 
 TOKENS = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
 CALIB = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(2))

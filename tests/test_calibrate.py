@@ -210,7 +210,7 @@ def test_refinement_lowers_the_measured_attention_error(stories, stories_samples
     assert sum(refined.attention_error) < 0.95 * sum(closed.attention_error)
     # on the select windows: 0.878 of the closed form's error with 4 windows a step at every position and a fixed
     # rate of 3e-3, 0.900 at 3e-2 with back-off, 0.893 with the default's 8 windows at an eighth of the positions
-    # (bench/README.md, issue 16)
+    # (bench/refine/, issue 16)
     assert sum(c.refinement.after for c in refined.calibration.selection) < 0.92 * sum(
         c.refinement.before for c in refined.calibration.selection)
     assert kl(tmp_path / "refined") < kl(tmp_path / "closed")

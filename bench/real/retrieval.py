@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import os
 
-# Before torch loads OpenMP, as the mlaconv command sets it: waiting threads sleep instead of spinning (bench/README.md).
+# Before torch loads OpenMP, as the mlaconv command sets it: waiting threads sleep instead of spinning.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from bench.lib.results import commit, machine  # noqa: E402
 from bench.real.build import DEFAULT_OUT as SOURCE  # noqa: E402
 from mlaconv.cli.evaluate import token_counts  # noqa: E402
 from mlaconv.progress import LineProgress  # noqa: E402
@@ -31,24 +30,6 @@ from mlaconv.retrieval import evaluate_retrieval  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
-
-
-def commit() -> str:
-    """The checkout's commit, ``-dirty`` when the working tree differs from it."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-
-    return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
-def machine(device: str | None) -> dict:
-    """What ran it: the platform, CPUs, torch and its threads, transformers, the device."""
-    import torch
-    import transformers
-
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "transformers": transformers.__version__, "device": device or "cpu"}
 
 
 def main() -> None:

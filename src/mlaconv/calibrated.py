@@ -33,8 +33,8 @@ from mlaconv.report.conversion import (Agreement, Calibration, LayerFigures, Lay
                                        ShapeSearch, SplitCandidate, WholeModel)
 from mlaconv.report.record import WindowSets
 
-DEFAULT_REFINE_STEPS = 150  # of REFINE_BATCH windows at REFINE_LR (75 of 4, then 200 at 3e-3 before: bench/README.md)
-MIN_REDUCED_STEPS = 25  # below this a reduced refinement is not worth running (see bench/README.md)
+DEFAULT_REFINE_STEPS = 150  # of REFINE_BATCH windows at REFINE_LR (75 of 4, then 200 at 3e-3 before: docs/bench-history.md)
+MIN_REDUCED_STEPS = 25  # below this a reduced refinement is not worth running (see bench/refine/README.md)
 REDUCED_REFINE_LR = 3e-3  # the reduced plan's steps of one window, at the rate its figures were measured with
 # What refinement assumes a CPU sustains when it estimates its own cost. Conservative: on the 2 cores this was
 # developed on, steps on a Qwen2.5-0.5B-shaped layer (2048-token windows) ran 1.5–2.3× faster than estimated.

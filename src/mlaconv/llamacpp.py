@@ -62,7 +62,7 @@ class Engine:
 def open_engine(path: Path, n_ctx: int, *, n_batch: int = 512, f32_cache: bool = True, threads: int | None = None,
                 logits_all: bool = True) -> Iterator[Engine]:
     """Load ``path`` in llama.cpp (CPU) with one sequence and yield an ``Engine``; closed on exit. (``Llama`` takes
-    no ``n_seq_max``: for parallel sequences see ``bench/engines.py``, which builds the context itself.)"""
+    no ``n_seq_max``: for parallel sequences see ``bench/engines/llamacpp.py``, which builds the context itself.)"""
     llama_cpp = _llama_cpp()
     log: list[str] = []
     with capture_log(log):

@@ -101,7 +101,7 @@ class ConvertOptions:
                                             "closed form only).", int, spectra=True)
     refine_tokens: int = 48 * 2048  # the fit windows those steps train on hold at most this many tokens: every fit
     # window of the default calibration and of the recipes' 64 × 2048; the cap bounds the source outputs held for
-    # them (tokens·H·4 bytes). More training windows measured better on the audit windows (bench/README.md, issue 16)
+    # them (tokens·H·4 bytes). More training windows measured better on the audit windows (bench/refine/README.md, issue 16)
     refine_batch: int = REFINE_BATCH  # windows per step when refine_steps is given (the default plan chooses its own)
     refine_check_every: int = CHECK_EVERY  # steps between select-window measurements when refine_steps is given
     heal_tokens: int | None = option(None, "After converting, heal the model (`mlaconv heal`): train its attention "

@@ -157,7 +157,7 @@ def factor_precision(dtype: torch.dtype | None) -> torch.dtype:
     written in a 16-bit format, whose rounding (bfloat16: 2⁻⁹) is far above float32's; float64 otherwise. On a
     Llama-3.2-1B-shaped layer written in bfloat16 the float32 factorization's attention output differs from the
     float64 one's by 4e-6 (relative), the bfloat16 rounding by 2.8e-3, and it takes half the time
-    (``tests/mla/test_precision.py``, ``bench/factor_precision.py``)."""
+    (``tests/mla/test_precision.py``, ``bench/precision/factor.py``)."""
     return torch.float32 if dtype is not None and torch.finfo(dtype).bits <= 16 else torch.float64
 
 

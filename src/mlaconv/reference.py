@@ -40,7 +40,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """Causal SDPA, scale (q's head dim)^-½. Where v's heads are narrower than q's (MLA: d against d + R) v is
     zero-padded to q's width and the padding cut from the output: the same attention, but torch's fused kernel
     only takes equal widths, and on a CPU its fallback holds every score (8 windows of 2048 with 32 heads: 4.3 GB
-    a copy, and several copies; bench/README.md)."""
+    a copy, and several copies; bench/results/conversion-memory-recipe-windows.json)."""
     narrow = q.shape[-1] - v.shape[-1]
     if narrow <= 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -9,7 +9,7 @@ import warnings
 # Set before anything imports torch (registering the sub-commands below does): OpenMP reads it once, when torch
 # loads it. torch's threads otherwise spin while they wait, and beside other work on the cores a spinning thread
 # takes the time its partner needs: a refinement step of the example model took 2-4x longer on 2 threads than on
-# one with other jobs on the 2 cores, and about as long as on one with passive waiting (bench/README.md, issue 17).
+# one with other jobs on the 2 cores, and about as long as on one with passive waiting (bench/results/conversion-threads.json).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

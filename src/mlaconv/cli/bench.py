@@ -62,7 +62,7 @@ def decode(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: all cores)."),
     expanded: bool = typer.Option(True, "--expanded/--no-expanded", help="Also time (b), MLA with K/V rebuilt from the latent (slow)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights and caches."),
-    markdown: bool = typer.Option(False, "--markdown", help="Print the table as Markdown (for bench/README.md)."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the table as Markdown (for bench/engines/README.md)."),
     json_out: bool = JSON_OPTION,
     quiet: bool = QUIET_OPTION,
     debug: bool = DEBUG_OPTION,

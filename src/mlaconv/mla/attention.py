@@ -229,14 +229,20 @@ def latent_errors(k_nope: torch.Tensor, v: torch.Tensor, up_k: torch.Tensor, up_
     rotated, is left out, as the balanced latent leaves it out). One definition for every variant; for the
     balanced latent in its own metric it equals the spectrum's energy at rank r. What a variant's own weighting
     keeps is ``LayerReport.objective_retained``.
+
+    A block without energy (at most 1e-9 of the other's) has no relative error of its own: its target is rounding
+    noise, and noise over noise can read anything (10 on an exact MQA layer). Its error is measured against that
+    floor instead, 1e-9 of the other block's energy: a reconstruction that is zero to rounding reads 0, one that
+    puts real energy where the source has none reads large.
     """
     dtype = functools.reduce(torch.promote_types, (t.dtype for t in (k_nope, v, up_k, up_v, down)))
     down = down.to(dtype)
     blocks = [(k_nope.to(dtype), up_k.to(dtype) @ down), (v.to(dtype), up_v.to(dtype) @ down)]
     energies = [metric_math.total_energy(target, metric) for target, _ in blocks]
-    errors = [metric_math.total_energy(target - approx, metric) / energy if energy > 0 else 0.0
-              for (target, approx), energy in zip(blocks, energies)]
-    kept = [error for error, energy in zip(errors, energies) if energy > 1e-9 * max(energies)]
+    floor = 1e-9 * max(energies)
+    errors = [metric_math.total_energy(target - approx, metric) / max(energy, floor) if max(energy, floor) > 0
+              else 0.0 for (target, approx), energy in zip(blocks, energies)]
+    kept = [error for error, energy in zip(errors, energies) if energy > floor]
     return errors[0], errors[1], (1 - sum(kept) / len(kept)) if kept else 1.0
 
 

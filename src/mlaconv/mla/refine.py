@@ -23,11 +23,11 @@ from mlaconv.mla.rope import rotate_interleaved
 from mlaconv.reference import causal_attention, rms_norm
 
 CHECK_EVERY = 10  # steps between two measurements on the select windows
-REFINE_LR = 3e-2  # relative learning rate to start from (with BACKOFF; bench/README.md, issue 16)
+REFINE_LR = 3e-2  # relative learning rate to start from (with BACKOFF; bench/refine/README.md, issue 16)
 REFINE_BATCH = 8  # training windows per step
 QUERY_SHARE = 8  # a step's error is taken at 1/QUERY_SHARE of each window's positions: 150 steps of 8 windows so
 # measured better on the select windows than 75 of 4 at every position, in less work where the query side is most
-# of it, i.e. in wide layers (bench/README.md, issue 16)
+# of it, i.e. in wide layers (bench/refine/README.md, issue 16)
 BACKOFF = 3.0  # a check that does not beat the best state goes back to it and divides the rate by this
 CHUNK_SCORES = 2**25  # attention scores a chunk of windows may hold (128 MB a copy in float32): windows run through
 # the layer a chunk at a time and only a chunk's activations are held (a step of 8 windows of 2048 with 32 heads at an

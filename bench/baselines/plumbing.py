@@ -1,0 +1,148 @@
+"""The stock DeepSeek-V3 checkpoint every baseline of ``bench.baselines.methods`` is written as: a baseline's per-layer
+``Factorization`` goes through mlaconv's plumbing (``assemble``) as a ``LayerStep`` (``Baseline``) of mlaconv's own
+layer loop and writer (``write_baseline``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from mlaconv import models
+from mlaconv.arch import SourceSpec
+from mlaconv.calibrate import CalibrationOptions, SourceStreamer
+from mlaconv.conversion import write_tensors
+from mlaconv.io import ShardedWriter, atomic_output_dir
+from mlaconv.io.layout import LayerWriter, copy_tokenizer
+from mlaconv.mla.attention import scale_input
+from mlaconv.mla.layer import AttentionShape, LayerReport, MLAAttention, SourceAttention
+from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
+from mlaconv.pipeline import SourceLayer, source_layers
+from mlaconv.plan import ShapeChoice, load_source, output_config, plan_shapes, residual_scale
+from mlaconv.progress import Progress
+
+DTYPES = {name: models.DTYPES[name] for name in ("float32", "bfloat16")}
+
+
+@dataclass
+class Factorization:
+    """One layer in the DeepSeek key layout, before the stock plumbing (all float64, source coordinates).
+
+    Scores become q_nope·k_nope + q_rope·k_rope with q_nope the source query, k_nope = up_k·c for the
+    head's KV group, and c = down·x the cached latent.
+    """
+
+    q_rope: torch.Tensor  # [N, R, H] rope rows of each query head (interleaved pairs), before the scale fix
+    k_rope: torch.Tensor  # [R, H] the shared rope key (interleaved pairs)
+    k_rope_bias: torch.Tensor | None  # [R]
+    down: torch.Tensor  # [r, H]
+    up_k: torch.Tensor  # [n_kv, d, r] NoPE key of each KV head
+    up_v: torch.Tensor  # [n_kv, d, r] value of each KV head
+
+
+def assemble(src: SourceAttention, shape: AttentionShape, f: Factorization, residual_scale: float,
+             delta: float = DEFAULT_DELTA) -> tuple[MLAAttention, list[str]]:
+    """The stock tensors for one layer (mlaconv's plumbing) → (weights, bias terms no tensor can hold)."""
+    N, G, d = shape.heads, shape.kv_heads, shape.head_dim
+    R, r = f.k_rope.shape[0], f.down.shape[0]
+    group_of_head = torch.arange(N) // shape.group
+    gamma = src.input_norm.double()
+
+    typical_rms = math.sqrt(max(((f.down * gamma) ** 2).sum().item(), 0.0) / r)
+    tiny = tiny_latent(f.down, gamma, typical_rms, delta=delta)
+    q = torch.cat([src.q.double().reshape(N, d, -1), f.q_rope], dim=1).reshape(N * (d + R), -1)
+    kv_b = torch.stack([f.up_k, f.up_v], dim=1)[group_of_head].reshape(N * 2 * d, r)  # per head: d key, d value rows
+
+    dropped = ["q_proj.bias"] if src.q_bias is not None and src.q_bias.abs().max() > 0 else []
+    kv_a_bias = None
+    if src.k_bias is not None:  # the NoPE part of a key bias adds q·b to every score of a query: softmax drops it
+        kv_a_bias = torch.cat([torch.zeros(r, dtype=torch.float64), f.k_rope_bias])
+    o_bias = None
+    if src.v_bias is not None or src.o_bias is not None:  # Σ softmax = 1: a value bias adds W_o·b_v
+        o_bias = torch.zeros(src.o.shape[0], dtype=torch.float64)
+        if src.v_bias is not None:
+            o_bias += src.o.double() @ src.v_bias.double().reshape(G, d)[group_of_head].reshape(N * d)
+        if src.o_bias is not None:
+            o_bias += src.o_bias.double()
+        o_bias *= residual_scale
+    mla = MLAAttention(
+        q_proj=q * math.sqrt((d + R) / d),
+        kv_a_proj=torch.cat([tiny.beta * f.down, f.k_rope]),
+        kv_a_norm=torch.full((r,), tiny.norm_weight, dtype=torch.float64),
+        kv_b_proj=kv_b * tiny.up_scale,
+        o_proj=src.o.double() * residual_scale,
+        input_norm=gamma,
+        kv_a_bias=kv_a_bias,
+        o_bias=o_bias,
+    )
+    return scale_input(mla, r, gamma**2), dropped
+
+
+class Baseline:
+    """A baseline as the ``LayerStep`` mlaconv's conversion plugs in: layer i is ``factorize(i, attention)`` in the
+    stock plumbing (``assemble``); the attention is the checkpoint's own, or ``layers[i]`` when given."""
+
+    def __init__(self, spec: SourceSpec, factorize: Callable[[int, SourceAttention], Factorization],
+                 layers: list[SourceAttention] | None = None):
+        self.shape, self.residual_scale = spec.attention_shape, residual_scale(spec)
+        self.factorize, self.layers = factorize, layers
+        self.dropped: set[str] = set()  # bias terms no tensor can hold
+        self.reports: list[LayerReport] = []
+
+    def __call__(self, layer: SourceLayer) -> dict[str, MLAAttention]:
+        src = layer.attention if self.layers is None else self.layers[layer.index]
+        mla, dropped = assemble(src, self.shape, self.factorize(layer.index, src), self.residual_scale)
+        self.dropped.update(dropped)
+        return {"baseline": mla}
+
+    def finish(self, progress: Progress) -> None:
+        return None
+
+
+def write_baseline(method: str, source: str | Path, out: str | Path, step: Baseline, shapes: ShapeChoice, stride: int,
+                   started: float, dtype: str, **extra) -> dict:
+    """Write ``out`` through mlaconv's own conversion driver and writer, as ``convert --target transformers`` lays it
+    out (biases kept, the source's rope scaling), each layer from ``step``; return the report (also baseline.json)."""
+    folder, spec, reader = load_source(str(source))
+    attention_bias = bool(spec.qkv_bias or spec.o_bias)
+    with atomic_output_dir(Path(out), force=True) as tmp:
+        with ShardedWriter(tmp) as writer:
+            output = LayerWriter(writer, reader, spec, residual_scale(spec), DTYPES[dtype], attention_bias,
+                                 tmp / ".pending")
+            write_tensors(output, source_layers(reader, spec), step)
+            writer.finish()
+        reader.close()
+        config, _ = output_config(spec, shapes, stride, "transformers", attention_bias, DTYPES[dtype])
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        copy_tokenizer(folder, tmp)
+        report = {
+            "method": method, "source": str(folder), "kv_lora_rank": shapes.rank, "qk_rope_head_dim": shapes.rope_dim,
+            "kv_keep": shapes.cache_elements / spec.kv_elements_per_token_per_layer, "rope_stride": stride,
+            "dropped_bias": sorted(step.dropped), **extra, "seconds": round(time.perf_counter() - started, 2),
+        }
+        (tmp / "baseline.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def plan_baseline(source: str | Path, rank: int | None, kv_keep: float | None,
+                  rope_dim: int | None) -> tuple[SourceSpec, ShapeChoice]:
+    """(spec, shapes from ``plan_shapes``) of a source folder."""
+    _, spec, reader = load_source(str(source))
+    reader.close()
+    return spec, plan_shapes(spec, rank, kv_keep, rope_dim)
+
+
+def read_layers(source: str | Path, stand_in_ids: torch.Tensor | None = None) -> list[SourceAttention]:
+    """Every layer's attention; with ``stand_in_ids`` [n, w], each QK-normed one replaced by mlaconv's least-squares
+    linear stand-in fitted on them."""
+    _, spec, reader = load_source(str(source))
+    streamer = SourceStreamer(reader, spec, CalibrationOptions(stand_in_ids)) if stand_in_ids is not None else None
+    layers = [layer.attention if streamer is None else layer.linear for layer in source_layers(reader, spec, streamer)]
+    reader.close()
+    return layers

@@ -65,7 +65,7 @@ def open_engine(path: Path, n_ctx: int, *, n_batch: int = 512, f32_cache: bool =
     no ``n_seq_max``: for parallel sequences see ``bench/engines/llamacpp.py``, which builds the context itself.)"""
     llama_cpp = _llama_cpp()
     log: list[str] = []
-    with capture_log(log):
+    with capture_log(log), _without_amx_buffers(llama_cpp):
         llm = llama_cpp.Llama(
             str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, logits_all=logits_all, verbose=False,
             type_k=GGML_TYPE_F32 if f32_cache else None, type_v=GGML_TYPE_F32 if f32_cache else None,
@@ -75,6 +75,30 @@ def open_engine(path: Path, n_ctx: int, *, n_batch: int = 512, f32_cache: bool =
         yield Engine(llm, log)
     finally:
         llm.close()
+
+
+@contextmanager
+def _without_amx_buffers(llama_cpp) -> Iterator[None]:
+    """Where llama.cpp's CPU backend was built with AMX, models load without its extra buffer types: its AMX matmul
+    (``ggml_backend_amx_mul_mat``, chosen for q8_0 weights) crashes the process on machines whose kernel does not
+    grant the AMX tile state (seen on this project's virtual machines). The other kernels compute the same
+    products."""
+    if b"AMX" not in llama_cpp.llama_print_system_info():
+        yield
+        return
+    low = llama_cpp.llama_cpp  # the module whose defaults ``Llama`` reads
+    default = low.llama_model_default_params
+
+    def params():
+        chosen = default()
+        chosen.use_extra_bufts = False
+        return chosen
+
+    low.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
 
 
 @contextmanager

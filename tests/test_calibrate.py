@@ -286,13 +286,15 @@ def test_measured_attention_error_is_zero_for_an_exact_conversion(tiny_model, tm
 
 
 def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_samples, tmp_path, monkeypatch):
-    """Full refinement where it is estimated to be affordable; on a slow CPU, steps of one window (at least 25)
-    that fit the 30-minute budget; slower still, none — and the note says which."""
+    """Full refinement where it is estimated to be affordable; on a slow CPU, off when the conversion heals (the
+    default), else steps of one window (at least 25) that fit the 30-minute budget; slower still, none — and the note
+    says which."""
     import mlaconv.calibrated as conversion
     from mlaconv.plan import plan_conversion
 
     write_tokens(tmp_path / "calib.jsonl", stories_samples[:24])
-    options = ConvertOptions(rank=24, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=96, device="cpu")
+    options = ConvertOptions(rank=24, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=96, device="cpu",
+                             heal_tokens=0)
     plan = plan_conversion(str(stories), options)
     streamer = conversion.calibration_streamer(plan, options)
     full_flops = conversion.DEFAULT_REFINE_STEPS * plan.spec.num_layers * conversion.refinement_flops(
@@ -308,6 +310,9 @@ def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_s
     assert reduced.batch == 1 and 25 <= reduced.steps < 1200 and reduced.note.startswith("reduced:")
     assert reduced.queries == 12  # an eighth of each 96-token window's positions, as in the full plan
     assert reduced.lr == 3e-3  # the rate the reduced plan's figures were measured at
+    healing = conversion.refinement_plan(plan, replace(options, heal_tokens=None), streamer)
+    assert healing.steps == 0 and healing.note.startswith("off: the full 150 steps") and "healing" in healing.note
+    assert conversion.refinement_plan(plan, replace(options, heal_tokens=None, device="cuda:0"), streamer).steps == 150
     skipped = planned(1000 * 3600)
     assert skipped.steps == 0 and skipped.note.startswith("skipped: even 25 steps")
     assert conversion.refinement_plan(plan, replace(options, refine_steps=7), streamer).steps == 7

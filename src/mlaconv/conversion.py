@@ -216,13 +216,14 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         if streamer:
             report.mode = "calibrated"
             report.calibration = step.report()
-        if options.heal_tokens:
+        if plan.calibrated and options.heal_tokens != 0:
             from mlaconv.heal import HealOptions
             from mlaconv.heal.run import heal_folder
 
-            report.heal = heal_folder(tmp, tmp, folder, spec, plan.calibration, HealOptions(
-                tokens=options.heal_tokens, device=options.calibration_device), plan.shapes.rank, options.delta,
-                progress)
+            report.heal = _after_conversion(lambda: heal_folder(
+                tmp, tmp, folder, spec, plan.calibration, HealOptions(tokens=options.heal_tokens,
+                                                                      device=options.calibration_device),
+                plan.shapes.rank, options.delta, progress, window_cap=options.calib_window), "healing")
         if options.verify:
             from mlaconv.verify import verify
 
@@ -231,6 +232,9 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
                 "the built-in check")
         if options.evaluated:
             report.eval = _after_conversion(lambda: _evaluate(tmp, folder, out, options, progress), "the evaluation")
+        if options.eval_retrieval:
+            report.retrieval = _after_conversion(lambda: _retrieval(tmp, folder, out, options, progress),
+                                                 "the retrieval evaluation")
         report.verdict = conversion_verdict(report.verify, report.eval)
         if options.absorbed:
             from mlaconv.absorb import write_absorbed
@@ -271,6 +275,17 @@ def _after_conversion(check: Callable[[], Checked], what: str) -> Checked | Fail
         return Failure(f"{what} failed: {exc}")
     except Exception as exc:  # a bug in a check must not cost the user the conversion
         return Failure(f"{what} failed unexpectedly: {type(exc).__name__}: {exc}")
+
+
+def _retrieval(converted: Path, source: Path, out: Path, options: ConvertOptions, progress: Progress):
+    """``mlaconv eval retrieval`` of the fresh conversion against its source (same code path)."""
+    from mlaconv.io.text import token_counts
+    from mlaconv.retrieval import evaluate_retrieval
+
+    result = evaluate_retrieval(converted, source, lengths=token_counts(options.eval_retrieval, "--eval-retrieval"),
+                                device=options.device if options.device != "cpu" else None, progress=progress)
+    result.model = str(out)
+    return result
 
 
 def _evaluate(converted: Path, source: Path, out: Path, options: ConvertOptions, progress: Progress) -> EvalReport:

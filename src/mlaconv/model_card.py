@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from mlaconv.engines import VLLM_MLA_HEAD_SIZES, head_sizes_text
-from mlaconv.report import ConversionReport, EvalReport
+from mlaconv.report import ConversionReport, EvalReport, RetrievalReport
 from mlaconv.report.conversion import Calibration, Verification
 from mlaconv.report.record import Failure
 
@@ -43,7 +43,7 @@ def render_model_card(report: ConversionReport) -> str:
     """The model card as Markdown text."""
     sections = [
         _front_matter(report), _introduction(report), _verdict(report), _kv_cache(report), _settings(report), _per_layer(report),
-        _whole_model(report.calibration), _healing(report), _verification(report.verify), _evaluation(report.eval), _serving(report),
+        _whole_model(report.calibration), _healing(report), _verification(report.verify), _evaluation(report.eval), _retrieval(report.retrieval), _serving(report),
         _usage(report), _quality(report),
     ]
     return "\n\n".join(section for section in sections if section) + "\n"
@@ -217,6 +217,8 @@ def _healing(report: ConversionReport) -> str:
     heal = report.heal
     if heal is None:
         return ""
+    if isinstance(heal, Failure):
+        return f"## Healing\n\nHealing did not run: {heal.error}. The model is the conversion as written."
     before, after = heal.held_out_before, heal.held_out_after
     lines = [
         "## Healing",
@@ -311,6 +313,21 @@ def _perplexity_run(run: EvalReport) -> list[str]:
     if run.notes:
         lines += [""] + [f"- {note}" for note in run.notes]
     return lines
+
+
+def _retrieval(result: RetrievalReport | Failure | None) -> str:
+    if result is None:
+        return ""
+    if isinstance(result, Failure):
+        return "## Long-context retrieval\n\n" + "\n".join(_table(result.to_json()))
+    lines = ["## Long-context retrieval", "",
+             f"Synthetic passkey retrieval (`mlaconv eval retrieval`: a 5-digit key hidden at {result.trials} evenly "
+             f"spread depths of filler text, greedy, {result.dtype}), the very same prompts for both models:", "",
+             "| prompt length (tokens) | source | converted |", "|---:|---:|---:|"]
+    for length in result.lengths:
+        lines.append(f"| {length.length:,} | {_metric('top1', length.baseline_accuracy)} | "
+                     f"{_metric('top1', length.accuracy)} |")
+    return "\n".join(lines)
 
 
 def _serving(report: ConversionReport) -> str:

@@ -104,9 +104,10 @@ class ConvertOptions:
     # them (tokens·H·4 bytes). More training windows measured better on the audit windows (bench/refine/README.md, issue 16)
     refine_batch: int = REFINE_BATCH  # windows per step when refine_steps is given (the default plan chooses its own)
     refine_check_every: int = CHECK_EVERY  # steps between select-window measurements when refine_steps is given
-    heal_tokens: int | None = option(None, "After converting, heal the model (`mlaconv heal`): train its attention "
-                                           "tensors end to end towards the source on this many tokens of the "
-                                           "calibration data (0: off).", int, recipe=(int,))
+    heal_tokens: int | None = option(None, "Heal the converted model (`mlaconv heal`): train its attention tensors end "
+                                           "to end towards the source on this many tokens of the calibration data "
+                                           "(default: on a GPU 2M, on a CPU what fits in 30 min, at most 4 passes over "
+                                           "the data; 0: off).", int, recipe=(int,))
     absorbed: bool = option(False, "Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to "
                                    "OUT/absorbed.", bool)
     recipe: str | None = None
@@ -117,6 +118,8 @@ class ConvertOptions:
     eval_window: int | None = option(None, "Evaluation window (default 2048 or the context).", int)
     eval_max_windows: int | None = option(None, "Evaluate at most this many windows.", int)
     eval_batch_size: int = 1
+    eval_retrieval: str | None = option(None, "After converting, run `mlaconv eval retrieval` (passkey) at these lengths "
+                                              "against the source, e.g. 1k,2k,4k.", str, recipe=(str,))
     target: str = option(DEFAULT_TARGET, "Serving target: portable (default: the same function on transformers, vLLM, "
                                          "SGLang and llama.cpp: no bias tensors, a rope_scaling they all compute, and "
                                          "with --kv-keep an r + R vLLM runs where the budget holds one), transformers "

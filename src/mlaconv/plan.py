@@ -13,7 +13,7 @@ import torch
 from mlaconv import deepseek
 from mlaconv.arch import QK_NORM_NEEDS_CALIBRATION, SourceSpec
 from mlaconv.errors import MlaconvError
-from mlaconv.io.text import TokenSource
+from mlaconv.io.text import TokenSource, token_counts
 from mlaconv.io import CheckpointReader, read_config, resolve_source
 from mlaconv.mla import rope
 from mlaconv.mla.attention import full_rank
@@ -267,6 +267,11 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
         raise MlaconvError(f"--refine-steps must be ≥ 0, got {options.refine_steps}")
     if options.refine_batch < 1 or options.refine_check_every < 1:
         raise MlaconvError("the refinement batch and check interval must be ≥ 1")
+    if options.eval_retrieval:
+        lengths = token_counts(options.eval_retrieval, "--eval-retrieval")
+        if max(lengths) > spec.max_position_embeddings:
+            raise MlaconvError(f"--eval-retrieval {max(lengths)} is longer than the model's context "
+                               f"({spec.max_position_embeddings} tokens)")
     if options.evaluated:
         eval_source(options)  # a missing eval file or a malformed dataset name fails now, not after hours
     return Plan(folder, spec, reader, shapes, layer_options(spec, shapes, options), calibration)

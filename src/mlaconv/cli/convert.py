@@ -97,7 +97,9 @@ def render_report(report: ConversionReport, console) -> None:
                            if figures)
         line(console, f"whole model on the {whole.windows} audit windows ({whole.tokens} tokens): {models}; "
                       f"written: {whole.written} ({escape(whole.reason)})")
-    if report.heal is not None:
+    if isinstance(report.heal, Failure):
+        line(console, f"[yellow]heal:[/] {escape(report.heal.error)} (the converted model was kept, unhealed)")
+    elif report.heal is not None:
         from mlaconv.cli.heal import render_healing
 
         render_healing(report.heal, console)
@@ -142,6 +144,13 @@ def _render_checks(report: ConversionReport, console) -> None:
         line(console, f"eval ({escape(result.data)}, {result.windows} windows of {result.window}): KV cache "
                       f"{report.kv_keep:.1%} of the source's; PPL {result.ppl:.4g} vs source "
                       f"{result.baseline_ppl:.4g} (drift {result.drift:+.2%}){agreement}")
+    retrieval = report.retrieval
+    if isinstance(retrieval, Failure):
+        line(console, f"[yellow]retrieval:[/] {escape(retrieval.error)} (the checkpoint was kept)")
+    elif retrieval:
+        line(console, "passkey retrieval (source → converted): " + ", ".join(
+            f"{length.length:,} tokens {length.baseline_accuracy:.0%} → {length.accuracy:.0%}"
+            for length in retrieval.lengths))
     verdict = report.verdict
     if verdict is not None:
         colour = {"close": "green", "degraded": "yellow", "broken": "bold red"}.get(verdict.level, "yellow")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -13,7 +12,7 @@ from rich.table import Table
 from mlaconv.cli import eval_app
 from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
                                  report_console)
-from mlaconv.errors import MlaconvError
+from mlaconv.io.text import token_counts
 from mlaconv.report import EvalReport, RetrievalReport
 from mlaconv.report.evaluation import DepthBucket, RetrievalLength
 
@@ -147,16 +146,6 @@ def render_retrieval(report: RetrievalReport, console) -> None:
     total = report.trials * len(report.lengths)
     line(console, "all lengths: " + "; ".join(f"{role} {escape(folder)} {_right(_accuracy(report, role), total)}"
                                               for role, folder in roles.items()))
-
-
-def token_counts(text: str, option: str) -> list[int]:
-    """Comma-separated token counts, ``k`` meaning 1024 (``1k,2k,4096`` → [1024, 2048, 4096]); refused in one line."""
-    counts = []
-    for part in text.split(","):
-        if not (match := re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", part)):
-            raise MlaconvError(f"{option} {text!r}: expected token counts separated by commas, such as 1k,2k,4096")
-        counts.append(int(match.group(1)) * (1024 if match.group(2) else 1))
-    return counts
 
 
 def _by_position_table(report: EvalReport) -> Table:

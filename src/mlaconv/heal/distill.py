@@ -37,6 +37,7 @@ HELD_WINDOWS = 4  # select windows, and held-out windows, each
 CHECK_EVERY = 25  # steps between two measurements on the select windows
 CPU_SECONDS = 1800  # a CPU's default budget: as many tokens as fit in this, by the source's measured speed
 CUDA_TOKENS = 2**21  # a GPU's default budget
+MAX_EPOCHS = 4  # the default budget's passes over the training windows, at most
 STEP_COST = 3.5  # one training token costs about this many source forward tokens (forward, backward, the update)
 
 
@@ -187,14 +188,14 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
     return best_state, training
 
 
-def default_tokens(device: str, seconds_per_token: float, window: int, batch: int) -> int:
+def default_tokens(device: str, seconds_per_token: float, window: int, batch: int, windows: int) -> int:
     """The default budget: CUDA_TOKENS on a GPU; on a CPU as many whole steps as fit in CPU_SECONDS at
-    ``seconds_per_token`` of the source's forward pass (measured), at least one."""
+    ``seconds_per_token`` of the source's forward pass (measured); either way at most MAX_EPOCHS passes over the
+    ``windows`` training windows, and at least one step."""
     step_tokens = window * batch
-    if device.startswith("cuda"):
-        return CUDA_TOKENS
-    steps = max(1, int(CPU_SECONDS / (STEP_COST * seconds_per_token * step_tokens)))
-    return steps * step_tokens
+    tokens = CUDA_TOKENS if device.startswith("cuda") else \
+        int(CPU_SECONDS / (STEP_COST * seconds_per_token * step_tokens)) * step_tokens
+    return max(step_tokens, min(tokens, MAX_EPOCHS * windows * window))
 
 
 def check_options(options: HealOptions) -> None:

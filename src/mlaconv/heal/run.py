@@ -29,6 +29,7 @@ from mlaconv.report import ConversionReport
 from mlaconv.report.conversion import HealFigures, HealReport
 
 ALL_WINDOWS = 2**40  # ask ``load_calibration_tokens`` for every window the data holds
+BOUND_SLACK = 1e-3  # a bound over δ by less than this share is the conversion's own δ in rounding, left as it is
 
 
 def heal(folder: str | Path, source: str, out: str | Path, data: CalibrationData, options: HealOptions,
@@ -55,12 +56,13 @@ def heal(folder: str | Path, source: str, out: str | Path, data: CalibrationData
 
 
 def heal_folder(folder: Path, into: Path, source: Path, spec, data: CalibrationData, options: HealOptions, rank: int,
-                delta: float, progress: Progress = no_progress) -> HealReport:
+                delta: float, progress: Progress = no_progress, window_cap: int | None = None) -> HealReport:
     """Heal the converted checkpoint in ``folder`` (latent rank ``rank``, tiny-latent bound ``delta``) towards
-    ``source`` into the folder ``into`` (``folder`` itself: its shards rewritten in place)."""
+    ``source`` into the folder ``into`` (``folder`` itself: its shards rewritten in place), on windows of
+    ``options.window`` tokens or ``window_cap`` if shorter (a conversion's calibration window)."""
     started = time.perf_counter()
-    windows = load_calibration_tokens(source, spec, list(data.files), data.dataset, ALL_WINDOWS, options.window,
-                                      options.seed)
+    window = min(options.window, window_cap or options.window)
+    windows = load_calibration_tokens(source, spec, list(data.files), data.dataset, ALL_WINDOWS, window, options.seed)
     if windows.shape[0] < 2 * HELD_WINDOWS + 1:
         raise MlaconvError(f"the calibration data holds {windows.shape[0]} windows of {windows.shape[1]} tokens; "
                            f"healing needs at least {2 * HELD_WINDOWS + 1} (give more text or a smaller --window)")
@@ -72,7 +74,7 @@ def heal_folder(folder: Path, into: Path, source: Path, spec, data: CalibrationD
     timed = time.perf_counter()
     select_targets = teacher_targets(teacher, windows[select], options.top_k, progress, "source on the select windows")
     seconds_per_token = (time.perf_counter() - timed) / (len(select) * window)
-    tokens = options.tokens or default_tokens(options.device, seconds_per_token, window, options.batch)
+    tokens = options.tokens or default_tokens(options.device, seconds_per_token, window, options.batch, len(pool))
     steps = max(1, tokens // (options.batch * window))
     train_ids = pool[: steps * options.batch]  # fewer than the steps draw: they are drawn epoch after epoch
     estimate = seconds_per_token * window * (len(train_ids) + steps * options.batch * STEP_COST)
@@ -86,6 +88,8 @@ def heal_folder(folder: Path, into: Path, source: Path, spec, data: CalibrationD
     state, training = train(model, windows[train_ids], train_targets, windows[select], select_targets, steps,
                             options, progress, label)
     del model
+    if training.best_step == 0:
+        state = {}  # no step did better on the select windows: the model is written as it was
     state, bound, rescaled = _tiny_latent(folder, rank, delta, state)
     _rewrite(folder, into, state)
     after = _held_out_figures(into, source, windows[held], progress)
@@ -144,9 +148,9 @@ def _tiny_latent(folder: Path, rank: int, delta: float, state: dict[str, torch.T
         kv_a_name, norm_name = prefix + deepseek.KV_A_PROJ, prefix + deepseek.KV_A_NORM
         gamma = reader.get(prefix + deepseek.INPUT_NORM)
         stored = reader.dtype(kv_a_name)
-        kv_a = state[kv_a_name].to(stored)
+        kv_a = state[kv_a_name].to(stored) if kv_a_name in state else reader.get(kv_a_name)
         bound = latent_bound(kv_a[:rank], gamma)
-        if bound > delta:
+        if bound > delta * (1 + BOUND_SLACK):
             shrink = (0.99 * delta / bound) ** 0.5
             kv_a = state[kv_a_name].double()
             kv_a[:rank] *= shrink
@@ -154,7 +158,8 @@ def _tiny_latent(folder: Path, rank: int, delta: float, state: dict[str, torch.T
             norm = reader.get(norm_name)
             state[norm_name] = (norm.double() / shrink).to(norm.dtype)
             bound, rescaled = latent_bound(kv_a[:rank], gamma), rescaled + [i]
-        state[kv_a_name] = kv_a
+        if kv_a_name in state or i in rescaled:
+            state[kv_a_name] = kv_a
         bounds.append(bound)
     reader.close()
     return state, max(bounds), rescaled
@@ -162,29 +167,37 @@ def _tiny_latent(folder: Path, rank: int, delta: float, state: dict[str, torch.T
 
 def _rewrite(folder: Path, into: Path, state: dict[str, torch.Tensor]) -> None:
     """``folder``'s files in ``into`` with the shards that hold a tensor of ``state`` written anew (each tensor in
-    its stored dtype; every other tensor's bytes as they were); ``into`` may be ``folder`` itself, whose shards are
-    then each replaced whole (``os.replace``)."""
+    its stored dtype; every other tensor's bytes as they were). ``into`` may be ``folder`` itself: the new shards are
+    then all written beside the old ones first and put in their place after (``os.replace``), so a failure while
+    writing leaves the folder as it was."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     in_place = into.resolve() == folder.resolve()
-    for path in sorted(folder.iterdir()):
-        if path.is_dir() or (in_place and path.suffix != ".safetensors"):
-            continue
-        if path.suffix == ".safetensors":
-            with safe_open(str(path), framework="pt") as shard:
-                names, metadata = list(shard.keys()), shard.metadata()
-                changed = set(names) & set(state)
-                tensors = {name: shard.get_tensor(name) for name in names} if changed else None
-            if tensors is not None:
-                for name in changed:
-                    tensors[name] = state[name].to(tensors[name].dtype).contiguous()
-                part = into / (path.name + ".part")
-                save_file(tensors, str(part), metadata=metadata)
-                os.replace(part, into / path.name)
+    written: list[Path] = []
+    try:
+        for path in sorted(folder.iterdir()):
+            if path.is_dir() or (in_place and path.suffix != ".safetensors"):
                 continue
-        if not in_place:
-            shutil.copy2(path, into / path.name)
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt") as shard:
+                    names, metadata = list(shard.keys()), shard.metadata()
+                    changed = set(names) & set(state)
+                    tensors = {name: shard.get_tensor(name) for name in names} if changed else None
+                if tensors is not None:
+                    for name in changed:
+                        tensors[name] = state[name].to(tensors[name].dtype).contiguous()
+                    written.append(into / (path.name + ".part"))
+                    save_file(tensors, str(written[-1]), metadata=metadata)
+                    continue
+            if not in_place:
+                shutil.copy2(path, into / path.name)
+    except BaseException:
+        for part in written:
+            part.unlink(missing_ok=True)
+        raise
+    for part in written:
+        os.replace(part, part.with_suffix(""))
 
 
 def _update_report(tmp: Path, out: Path, source: Path, spec, report: ConversionReport, result: HealReport) -> None:

@@ -4,6 +4,7 @@ and turning an evaluation source into the ids and windows ``mlaconv.evaluate`` s
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -150,3 +151,13 @@ def cut_windows(sequences: Sequence[torch.Tensor], window: int, keep_short: bool
         elif keep_short and len(ids) >= 2:
             windows.append(ids)
     return windows
+
+
+def token_counts(text: str, option: str) -> list[int]:
+    """Comma-separated token counts, ``k`` meaning 1024 (``1k,2k,4096`` → [1024, 2048, 4096]); refused in one line."""
+    counts = []
+    for part in text.split(","):
+        if not (match := re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", part)):
+            raise MlaconvError(f"{option} {text!r}: expected token counts separated by commas, such as 1k,2k,4096")
+        counts.append(int(match.group(1)) * (1024 if match.group(2) else 1))
+    return counts

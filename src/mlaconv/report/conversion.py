@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlaconv.report.evaluation import EvalReport
+from mlaconv.report.evaluation import EvalReport, RetrievalReport
 from mlaconv.report.record import Failure, Record, WindowSets, optional
 
 
@@ -261,8 +261,9 @@ class ConversionReport(Record):
     calibration: Calibration | None = optional()
     verify: Verification | Failure | None = None
     eval: EvalReport | Failure | None = optional()
+    retrieval: RetrievalReport | Failure | None = optional()
     verdict: Verdict | None = optional()
-    heal: HealReport | None = optional()
+    heal: HealReport | Failure | None = optional()
     absorbed: Absorbed | None = optional()
     extra: dict = field(default_factory=dict, metadata={"merge": True})  # ConvertOptions.extra_report
     seconds: float | None = optional()

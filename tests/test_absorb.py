@@ -13,10 +13,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import make_model
-from mlaconv.absorb import MANIFEST, absorb_attention, latent_norm_bound, norm_nonlinearity, write_absorbed
-from mlaconv.deepseek import MLAShape
-from mlaconv.options import ConvertOptions
-from mlaconv.conversion import convert
+from mlaconv.target.absorb import MANIFEST, absorb_attention, latent_norm_bound, norm_nonlinearity, write_absorbed
+from mlaconv.target.deepseek import MLAShape
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.layer import MLAAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
@@ -224,8 +224,8 @@ def test_a_latent_outside_the_tiny_regime_is_refused(converted, tmp_path):
 
 
 def test_convert_absorbed_flag_writes_the_artefact(stories, tmp_path):
-    from mlaconv.options import ConvertOptions
-    from mlaconv.conversion import convert
+    from mlaconv.conversion.options import ConvertOptions
+    from mlaconv.conversion.run import convert
 
     report = convert(str(stories), tmp_path / "out", ConvertOptions(rank=16, verify=False, absorbed=True))
     assert (tmp_path / "out" / "absorbed" / "absorbed.json").is_file()

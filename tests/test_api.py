@@ -18,14 +18,14 @@ from mlaconv.errors import MlaconvError
 
 
 def test_the_public_names_are_the_library_functions():
-    from mlaconv.options import ConvertOptions
-    from mlaconv.conversion import convert
-    from mlaconv.evaluate import evaluate_perplexity
+    from mlaconv.conversion.options import ConvertOptions
+    from mlaconv.conversion.run import convert
+    from mlaconv.evaluate.perplexity import evaluate_perplexity
     from mlaconv.io.text import TokenSource
-    from mlaconv.io.gguf import export_gguf
+    from mlaconv.target.gguf import export_gguf
     from mlaconv.report import ConversionReport, EvalReport, RetrievalReport, SpectraReport
-    from mlaconv.retrieval import evaluate_retrieval
-    from mlaconv.spectra import SpectraOptions, spectra
+    from mlaconv.evaluate.retrieval import evaluate_retrieval
+    from mlaconv.inspect.spectra import SpectraOptions, spectra
 
     expected = {"convert": convert, "ConvertOptions": ConvertOptions, "inspect_spectra": spectra,
                 "SpectraOptions": SpectraOptions, "evaluate_perplexity": evaluate_perplexity,

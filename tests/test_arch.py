@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, Phi3Config, SmolLM3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from mlaconv.arch import FAMILIES, REFUSED, SUPPORTED_TEXT, SourceSpec, family_for, rope_settings
+from mlaconv.source.spec import FAMILIES, REFUSED, SUPPORTED_TEXT, SourceSpec, family_for, rope_settings
 from mlaconv.errors import MlaconvError
 
 CONFIGS = Path(__file__).resolve().parent / "data" / "configs"

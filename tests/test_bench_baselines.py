@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from mlaconv.plan import load_source, plan_shapes
+from mlaconv.conversion.plan import load_source, plan_shapes
 from mlaconv.mla.layer import AttentionShape
-from mlaconv.models import load_causal_lm
+from mlaconv.io.models import load_causal_lm
 
 from bench.baselines.methods import augmented, convert_joint_svd, convert_transmla, rorope_basis  # noqa: E402
 

@@ -11,20 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlaconv.arch import SourceSpec
-from mlaconv.calibrate import CalibrationOptions, SourceStreamer
-from mlaconv.calibration_windows import load_calibration_tokens
-from mlaconv.options import ConvertOptions
-from mlaconv.conversion import convert
-from mlaconv.pipeline import read_attention
-from mlaconv.families import FINAL_NORM, LM_HEAD
+from mlaconv.source.spec import SourceSpec
+from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
+from mlaconv.calibration.windows import load_calibration_tokens
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.run import convert
+from mlaconv.conversion.pipeline import read_attention
+from mlaconv.source.families import FINAL_NORM, LM_HEAD
 from mlaconv.io import CheckpointReader, read_config
 from mlaconv.mla import latent
 from mlaconv.mla.attention import analyse_layer, convert_attention
 from mlaconv.mla.layer import AttentionShape, LayerOptions
 from mlaconv.mla.refine import refine
-from mlaconv.models import load_causal_lm
-from mlaconv.reference import rms_norm
+from mlaconv.io.models import load_causal_lm
+from mlaconv.mla.forward import rms_norm
 
 
 def write_tokens(path: Path, tokens: torch.Tensor) -> Path:
@@ -60,7 +60,7 @@ def test_streamed_source_forward_matches_transformers(tiny_model):
 def test_the_streamed_forward_reuses_the_source_outputs_a_layer_already_computed(tiny_model, monkeypatch):
     """The refinement's training windows and the held select/audit windows already have the layer's source attention
     outputs: moving the stream through the layer adds those instead of computing them again, with the same result."""
-    import mlaconv.calibrate as calibrate
+    import mlaconv.calibration.streamer as calibrate
 
     src = tiny_model(family="qwen2", kv_heads=2, head_dim=16, eps=1e-5)
     spec, reader = open_source(src)
@@ -240,10 +240,10 @@ def test_calibration_holds_one_layer_at_a_time(tiny_model, tmp_path, monkeypatch
 
 
 def test_same_inputs_give_byte_identical_output(tiny_model, tmp_path, monkeypatch):
-    import mlaconv.calibrated
+    import mlaconv.conversion.calibrated
 
     refined = []
-    monkeypatch.setattr(mlaconv.calibrated, "refine", lambda *a, **k: refined.append(1) or refine(*a, **k))
+    monkeypatch.setattr(mlaconv.conversion.calibrated, "refine", lambda *a, **k: refined.append(1) or refine(*a, **k))
     src = tiny_model(kv_heads=2, head_dim=16)
     write_tokens(tmp_path / "calib.jsonl", random_tokens(20, 24, 96, seed=5))  # 10 fit, 5 select, 5 audit
     options = dict(rank=20, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=24, refine_steps=10,
@@ -289,8 +289,8 @@ def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_s
     """Full refinement where it is estimated to be affordable; on a slow CPU, off when the conversion heals (the
     default), else steps of one window (at least 25) that fit the 30-minute budget; slower still, none — and the note
     says which."""
-    import mlaconv.calibrated as conversion
-    from mlaconv.plan import plan_conversion
+    import mlaconv.conversion.calibrated as conversion
+    from mlaconv.conversion.plan import plan_conversion
 
     write_tokens(tmp_path / "calib.jsonl", stories_samples[:24])
     options = ConvertOptions(rank=24, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=96, device="cpu",
@@ -326,7 +326,7 @@ def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_s
 def test_the_refinement_trains_on_every_fit_window_within_its_token_budget():
     """Short windows are not capped at a window count: at the bench's 256-token windows the default 65536-token
     calibration has 240 fit windows, and training on all of them measured better than on 48 (issue 16)."""
-    from mlaconv.calibrated import training_windows
+    from mlaconv.conversion.calibrated import training_windows
 
     budget = ConvertOptions().refine_tokens
     assert training_windows(240, 256, budget) == 240

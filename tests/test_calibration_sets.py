@@ -10,19 +10,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlaconv.arch import SourceSpec
-from mlaconv.calibrate import CalibrationOptions, SourceStreamer
-from mlaconv.calibration_windows import split_windows
-from mlaconv.options import ConvertOptions
-from mlaconv.conversion import convert
-from mlaconv.pipeline import read_attention
+from mlaconv.source.spec import SourceSpec
+from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
+from mlaconv.calibration.windows import split_windows
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.run import convert
+from mlaconv.conversion.pipeline import read_attention
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, read_config
 from mlaconv.mla.attention import convert_attention
 from mlaconv.mla.layer import AttentionShape, LayerOptions
 from mlaconv.mla.refine import refine
-from mlaconv.models import load_causal_lm
-from mlaconv.reference import rms_norm
+from mlaconv.io.models import load_causal_lm
+from mlaconv.mla.forward import rms_norm
 
 
 def write_tokens(path: Path, tokens: torch.Tensor) -> Path:
@@ -154,7 +154,7 @@ def test_overfitted_refinement_is_rejected_by_the_whole_model_check(stories, tmp
     """Refinement overfitted on purpose (many steps at a high rate on one fit window, its best step chosen on that
     same window, so every layer passes its own check) makes the whole model worse on the audit windows: the
     check rejects it, and the written checkpoint is the closed form, tensor for tensor."""
-    import mlaconv.calibrated
+    import mlaconv.conversion.calibrated
 
     def overfitted(latent, shape, rope_dim, slots, train, select, **kwargs):
         one = (train[0][:1], train[1][:1])
@@ -163,7 +163,7 @@ def test_overfitted_refinement_is_rejected_by_the_whole_model_check(stories, tmp
     lines = (stories / "samples.jsonl").read_text().splitlines()
     ids = torch.tensor([t for line in lines for t in json.loads(line)["input_ids"]])[: 16 * 96].view(16, 96)
     closed = convert(str(stories), tmp_path / "closed", calibrated(tmp_path, ids, "calib", rank=24, refine_steps=0))
-    monkeypatch.setattr(mlaconv.calibrated, "refine", overfitted)
+    monkeypatch.setattr(mlaconv.conversion.calibrated, "refine", overfitted)
     report = convert(str(stories), tmp_path / "overfitted", calibrated(tmp_path, ids, "calib", rank=24, refine_steps=1))
     selection = report.calibration.selection
     assert all(layer.refinement.kept for layer in selection)  # each layer passed its own check

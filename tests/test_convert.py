@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mlaconv.options import ConvertOptions
+from mlaconv.conversion.options import ConvertOptions
 
-from mlaconv.conversion import convert
+from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
-from mlaconv.models import load_causal_lm
+from mlaconv.io.models import load_causal_lm
 
 TOKENS = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
 
@@ -35,8 +35,8 @@ def rel_err(a, b):
 def check_by_hand(src, out, report, drop_biases: bool = False) -> dict:
     """The built-in check's KL and top-1 recomputed here: transformers' own models on the check's tokens,
     KL(source ‖ converted) and top-1 agreement in plain PyTorch (``drop_biases``: as vLLM/SGLang run it)."""
-    from mlaconv.plan import load_source
-    from mlaconv.verify import verification_tokens
+    from mlaconv.conversion.plan import load_source
+    from mlaconv.evaluate.verify import verification_tokens
 
     check = report.verify
     assert check.dtype == "float32"
@@ -315,7 +315,7 @@ def test_small_shards_are_indexed_and_load(tiny_model, tmp_path):
 def test_a_lossy_float32_factorization_matches_the_float64_one(family, kv_heads, tiny_model, tmp_path, monkeypatch):
     """MHA (more latent rows than inputs) and Qwen2's biases, cut to rank 24: the float32 factorization a 16-bit
     output gets, forced here on float32 outputs, computes what the float64 one does."""
-    from mlaconv import conversion
+    from mlaconv.conversion import run as conversion
 
     src = tiny_model(family=family, kv_heads=kv_heads, head_dim=16)
     run(src, tmp_path / "f64", rank=24, rope_dim=8)

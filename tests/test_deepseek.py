@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mlaconv import deepseek
-from mlaconv.arch import SourceSpec
+from mlaconv.target import deepseek
+from mlaconv.source.spec import SourceSpec
 from mlaconv.io import CheckpointReader
 from mlaconv.mla.layer import MLAAttention
 

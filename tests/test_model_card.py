@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from mlaconv.options import ConvertOptions
+from mlaconv.conversion.options import ConvertOptions
 
-from mlaconv.conversion import convert
-from mlaconv.model_card import render_model_card, write_model_card
+from mlaconv.conversion.run import convert
+from mlaconv.target.model_card import render_model_card, write_model_card
 from mlaconv.report import EvalReport
 from mlaconv.report.conversion import Agreement, Calibration, LayerFigures, Verification, WholeModel
 from mlaconv.report.record import Failure, WindowSets

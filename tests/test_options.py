@@ -12,8 +12,8 @@ import yaml
 
 from mlaconv.cli import app
 from mlaconv.errors import MlaconvError
-from mlaconv.options import ConvertOptions, flags, load_recipe, recipe_types
-from mlaconv.spectra import SpectraOptions
+from mlaconv.conversion.options import ConvertOptions, flags, load_recipe, recipe_types
+from mlaconv.inspect.spectra import SpectraOptions
 
 # Options only the Python API sets (tests, the bench, the library's own callers).
 PYTHON_ONLY = {"delta", "layer_search", "refine_tokens", "refine_batch", "refine_check_every", "recipe",
@@ -68,7 +68,7 @@ def test_recipe_keys_are_the_options_a_recipe_may_set(tmp_path):
 
 
 def test_a_flag_given_on_the_command_line_overrides_the_recipe_and_an_absent_one_does_not(tmp_path, monkeypatch):
-    import mlaconv.conversion
+    import mlaconv.conversion.run
 
     seen = {}
 
@@ -76,7 +76,7 @@ def test_a_flag_given_on_the_command_line_overrides_the_recipe_and_an_absent_one
         seen["options"] = options
         raise MlaconvError("stop here")
 
-    monkeypatch.setattr(mlaconv.conversion, "convert", fake_convert)
+    monkeypatch.setattr(mlaconv.conversion.run, "convert", fake_convert)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"kv_keep": 0.5, "calib_window": 256, "verify": False}))
     result = CliRunner().invoke(app, ["convert", "SRC", "OUT", "--recipe", str(recipe),
@@ -104,7 +104,7 @@ def test_a_recipe_option_fills_the_fields_left_at_their_defaults(tmp_path):
 
 
 def test_the_command_line_applies_a_recipe_through_from_recipe(tmp_path, monkeypatch):
-    import mlaconv.conversion
+    import mlaconv.conversion.run
 
     seen = []
 
@@ -112,7 +112,7 @@ def test_the_command_line_applies_a_recipe_through_from_recipe(tmp_path, monkeyp
         seen.append((src, options))
         raise MlaconvError("stop here")
 
-    monkeypatch.setattr(mlaconv.conversion, "convert", fake_convert)
+    monkeypatch.setattr(mlaconv.conversion.run, "convert", fake_convert)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"source": "org/model", "kv_keep": 0.5, "verify": False,
                                       "calib_dataset": "wikitext"}))

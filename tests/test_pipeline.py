@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from conftest import STORIES
-from mlaconv import deepseek
-from mlaconv.calibrate import CalibrationOptions, SourceStreamer
-from mlaconv.conversion import convert
+from mlaconv.target import deepseek
+from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
+from mlaconv.conversion.run import convert
 from mlaconv.io import CheckpointReader, read_config
-from mlaconv.options import ConvertOptions
-from mlaconv.pipeline import CheckpointLayer, checkpoint_layers, read_attention, source_layers
-from mlaconv.plan import load_source
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.pipeline import CheckpointLayer, checkpoint_layers, read_attention, source_layers
+from mlaconv.conversion.plan import load_source
 
 
 class RecordingStreamer(SourceStreamer):

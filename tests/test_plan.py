@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mlaconv.arch import SourceSpec
-from mlaconv.conversion import convert
+from mlaconv.source.spec import SourceSpec
+from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
-from mlaconv.options import ConvertOptions
-from mlaconv.plan import (ShapeChoice, estimate_output_bytes, factor_precision, kv_budget, kv_cache_figures, load_source,
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.plan import (ShapeChoice, estimate_output_bytes, factor_precision, kv_budget, kv_cache_figures, load_source,
                           model_full_rank, output_config, output_dtype, plan_conversion, plan_shapes, residual_scale,
                           shape_candidates)
 

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from mlaconv.errors import MlaconvError
-from mlaconv.plot import require_matplotlib, save_spectra_plot, spectra_figure
-from mlaconv.spectra import SpectraOptions, spectra
+from mlaconv.inspect.plot import require_matplotlib, save_spectra_plot, spectra_figure
+from mlaconv.inspect.spectra import SpectraOptions, spectra
 
 
 @pytest.fixture(scope="module")

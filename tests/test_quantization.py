@@ -19,13 +19,13 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants
 from transformers import AutoModelForCausalLM
 
-from mlaconv.options import ConvertOptions
+from mlaconv.conversion.options import ConvertOptions
 
-from mlaconv.conversion import convert
+from mlaconv.conversion.run import convert
 from mlaconv.mla import attention
 from mlaconv.mla.latent_norm import MAX_ENTRY
-from mlaconv.models import load_causal_lm
-from mlaconv.verify import compare_logits
+from mlaconv.io.models import load_causal_lm
+from mlaconv.evaluate.verify import compare_logits
 
 QK_K = 256
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from conftest import ROOT
-from mlaconv.arch import SourceSpec
-from mlaconv.options import ConvertOptions
-from mlaconv.conversion import convert
-from mlaconv.plan import plan_shapes, shape_candidates
+from mlaconv.source.spec import SourceSpec
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.run import convert
+from mlaconv.conversion.plan import plan_shapes, shape_candidates
 from mlaconv.errors import MlaconvError
-from mlaconv.plan import check_recipe, kv_cache_figures
-from mlaconv.options import load_recipe, merge_options
-from mlaconv.serving import kernel_fit
+from mlaconv.conversion.plan import check_recipe, kv_cache_figures
+from mlaconv.conversion.options import load_recipe, merge_options
+from mlaconv.target.serving import kernel_fit
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 CONFIGS = ROOT / "tests" / "data" / "configs"
@@ -226,9 +226,9 @@ def test_recipe_states_the_cpu_refinement_mlaconv_plans(path):
     """The recipe's note on what a CPU runs is the plan ``refinement_plan`` makes for it (issue 16)."""
     import re
 
-    from mlaconv.calibration_windows import split_windows
-    from mlaconv.calibrated import cpu_refinement
-    from mlaconv.plan import Plan
+    from mlaconv.calibration.windows import split_windows
+    from mlaconv.conversion.calibrated import cpu_refinement
+    from mlaconv.conversion.plan import Plan
 
     recipe = load_recipe(path)
     spec = spec_for(path.stem)

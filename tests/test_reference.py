@@ -1,4 +1,4 @@
-"""``mlaconv.reference.causal_attention`` against causal softmax attention written out here."""
+"""``mlaconv.mla.forward.causal_attention`` against causal softmax attention written out here."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from mlaconv.reference import causal_attention
+from mlaconv.mla.forward import causal_attention
 
 
 def by_hand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

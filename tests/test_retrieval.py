@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import mlaconv.retrieval as retrieval
+import mlaconv.evaluate.retrieval as retrieval
 from conftest import make_model
 from mlaconv.errors import MlaconvError
 from mlaconv.report import RetrievalReport
-from mlaconv.retrieval import (FILLER, INSTRUCTION, NEEDLE, NEW_TOKENS, QUESTION, answer_is_right, evaluate_retrieval,
+from mlaconv.evaluate.retrieval import (FILLER, INSTRUCTION, NEEDLE, NEW_TOKENS, QUESTION, answer_is_right, evaluate_retrieval,
                                passkey_prompts, passkey_text)
 from test_report_schema import check
 
@@ -160,8 +160,8 @@ def test_a_real_model_against_itself_gives_the_same_answers_and_a_zeroed_one_fin
 
 
 def test_an_exact_mla_conversion_answers_as_its_source(models, tmp_path):
-    from mlaconv.conversion import convert
-    from mlaconv.options import ConvertOptions
+    from mlaconv.conversion.run import convert
+    from mlaconv.conversion.options import ConvertOptions
 
     source = models("source", kv_heads=1, head_dim=16)  # MQA with R = d: the conversion is exact
     convert(str(source), tmp_path / "mla", ConvertOptions(rank=16, rope_dim=16, verify=False))

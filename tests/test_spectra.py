@@ -12,16 +12,16 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT
-from mlaconv.calibrated import calibrated_layer_options
+from mlaconv.conversion.calibrated import calibrated_layer_options
 from mlaconv.cli.inspect import spectra as spectra_command
-from mlaconv.conversion import convert
+from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.attention import analyse_layer, convert_attention
 from mlaconv.mla.layer import LayerStats
-from mlaconv.options import ConvertOptions
-from mlaconv.pipeline import read_attention
-from mlaconv.plan import layer_options, load_source, plan_shapes
-from mlaconv.spectra import SpectraOptions, default_ranks, rank_for_energy, spectra, write_csv
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.pipeline import read_attention
+from mlaconv.conversion.plan import layer_options, load_source, plan_shapes
+from mlaconv.inspect.spectra import SpectraOptions, default_ranks, rank_for_energy, spectra, write_csv
 from spectra_schema import LAYER_KEYS, RECOMMENDATION_KEYS, SUMMARY_KEYS, TOP_KEYS, check_schema
 
 
@@ -152,7 +152,7 @@ def test_a_bfloat16_source_is_analysed_in_the_precision_convert_factors_it_in(ti
     """Weights only, a bfloat16 output is factored in float32 (``plan.factor_precision``): by ``convert`` and by
     ``inspect spectra`` alike, which then agree to float32's rounding."""
     import mlaconv.mla.attention
-    import mlaconv.spectra
+    import mlaconv.inspect.spectra
 
     seen = []
 
@@ -161,7 +161,7 @@ def test_a_bfloat16_source_is_analysed_in_the_precision_convert_factors_it_in(ti
         return analyse_layer(src, shape, options, stats)
 
     monkeypatch.setattr(mlaconv.mla.attention, "analyse_layer", recording)
-    monkeypatch.setattr(mlaconv.spectra, "analyse_layer", recording)
+    monkeypatch.setattr(mlaconv.inspect.spectra, "analyse_layer", recording)
     src = tiny_model(kv_heads=2, head_dim=16, layers=3, seed=3, dtype=torch.bfloat16)
     converted = run_convert(src, tmp_path / "out", rank=24, rope_dim=8)
     report = spectra(str(src), SpectraOptions(ranks=[24], rope_dim=8))

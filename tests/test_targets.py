@@ -18,11 +18,11 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from mlaconv.cli import app
-from mlaconv.options import ConvertOptions
-from mlaconv.conversion import convert
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
-from mlaconv.models import load_causal_lm
+from mlaconv.io.models import load_causal_lm
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
@@ -176,9 +176,9 @@ def test_served_shapes_vllm_requires_them_portable_prefers_them(tiny_model, tmp_
     from conftest import assert_refused, cli
     from test_recipes import spec_for
 
-    from mlaconv.arch import SourceSpec
-    from mlaconv.plan import plan_shapes, shape_candidates
-    from mlaconv.targets import target
+    from mlaconv.source.spec import SourceSpec
+    from mlaconv.conversion.plan import plan_shapes, shape_candidates
+    from mlaconv.target.targets import target
 
     vllm, portable = target("vllm"), target("portable")
     one_b = spec_for("llama-3.2-1b")  # 1024 cache elements per token and layer, hidden 2048

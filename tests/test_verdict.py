@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from mlaconv import verdict as verdicts
+from mlaconv.evaluate import verdict as verdicts
 from mlaconv.cli import app
 from mlaconv.report import EvalReport
 from mlaconv.report.conversion import Verification
@@ -60,7 +60,7 @@ def test_an_exact_conversion_is_close_in_the_console_json_and_card(tiny_model, t
 def test_a_broken_conversion_is_called_broken(tiny_model, tmp_path, monkeypatch):
     """A deliberately broken conversion (every converted query and key scaled up 30×: the attention turns to one-hot
     on arbitrary keys, and o_proj 20× louder) must not look like a success."""
-    from mlaconv import conversion
+    from mlaconv.conversion import run as conversion
     real = conversion.convert_attention
 
     def broken(*args, **kwargs):

@@ -59,8 +59,8 @@ import torch
 from bench.baselines.plumbing import Baseline, Factorization, plan_baseline, read_layers, write_baseline
 from mlaconv.mla import rope
 from mlaconv.mla.layer import AttentionShape, SourceAttention
-from mlaconv.models import load_causal_lm
-from mlaconv.plan import ShapeChoice
+from mlaconv.io.models import load_causal_lm
+from mlaconv.conversion.plan import ShapeChoice
 
 PCA_DAMPING = 0.01  # TransMLA's pca_calc: + 0.01·mean(diag) on the diagonal
 
@@ -280,7 +280,7 @@ def convert_transmla(source: str | Path, out: str | Path, calib_ids: torch.Tenso
 
 def calibration_perplexity(folder: str | Path, ids: torch.Tensor, batch_size: int = 8) -> float:
     """exp(mean next-token NLL) of ``folder`` over ids [n, w] (mlaconv's scorer)."""
-    from mlaconv.evaluate import score_windows
+    from mlaconv.evaluate.perplexity import score_windows
 
     scores = score_windows(load_causal_lm(folder, torch.float32), list(ids), batch_size)
     return math.exp((scores.nll.sum() / scores.predictions.sum()).item())

@@ -14,17 +14,17 @@ from typing import Callable
 
 import torch
 
-from mlaconv import models
-from mlaconv.arch import SourceSpec
-from mlaconv.calibrate import CalibrationOptions, SourceStreamer
-from mlaconv.conversion import write_tensors
+from mlaconv.io import models
+from mlaconv.source.spec import SourceSpec
+from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
+from mlaconv.conversion.run import write_tensors
 from mlaconv.io import ShardedWriter, atomic_output_dir
-from mlaconv.io.layout import LayerWriter, copy_tokenizer
+from mlaconv.target.layout import LayerWriter, copy_tokenizer
 from mlaconv.mla.attention import scale_input
 from mlaconv.mla.layer import AttentionShape, LayerReport, MLAAttention, SourceAttention
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
-from mlaconv.pipeline import SourceLayer, source_layers
-from mlaconv.plan import ShapeChoice, load_source, output_config, plan_shapes, residual_scale
+from mlaconv.conversion.pipeline import SourceLayer, source_layers
+from mlaconv.conversion.plan import ShapeChoice, load_source, output_config, plan_shapes, residual_scale
 from mlaconv.progress import Progress
 
 DTYPES = {name: models.DTYPES[name] for name in ("float32", "bfloat16")}

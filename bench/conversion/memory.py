@@ -39,7 +39,7 @@ from bench.conversion.io_floor import shard_data_bytes  # no torch imported: thi
 from bench.lib import REPO, WORK
 from mlaconv.report import ConversionReport  # no torch: the report types are plain dataclasses
 GB = 10**9
-PROFILE_SCORES = 2**25  # mlaconv.reference.attention_by_distance's max_scores
+PROFILE_SCORES = 2**25  # mlaconv.mla.forward.attention_by_distance's max_scores
 
 
 @dataclass(frozen=True)
@@ -194,8 +194,8 @@ def _hwm() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-WRITE_AHEAD = 64 * 2**20  # mlaconv.conversion.WRITE_AHEAD_BYTES
-LAYER_MEMORY = 2**30  # mlaconv.conversion.LAYER_MEMORY
+WRITE_AHEAD = 64 * 2**20  # mlaconv.conversion.run.WRITE_AHEAD_BYTES
+LAYER_MEMORY = 2**30  # mlaconv.conversion.run.LAYER_MEMORY
 
 
 def memory_model(shape: Shape, rank: int, rope_dim: int, attention_factor: float, calib_windows: int = 0,
@@ -337,7 +337,7 @@ def main() -> None:
     if floors:
         results["floor"] = fastest(floors)
         shutil.rmtree(work / "floor", ignore_errors=True)
-    results["runtime"] = measure([sys.executable, "-c", "import mlaconv.cli.convert, mlaconv.conversion"])
+    results["runtime"] = measure([sys.executable, "-c", "import mlaconv.cli.convert, mlaconv.conversion.run"])
     probe = subprocess.run([sys.executable, "-m", __spec__.name, "--probe", "--rank", str(args.rank), "--rope-dim",
                             str(args.rope_dim)], check=True, capture_output=True, text=True, cwd=REPO)
     added = json.loads(probe.stdout)["added_peak_bytes"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where a calibrated conversion spends its time (issue 16), next to one plain forward pass of the source.
 
-Runs ``mlaconv.conversion.convert`` in this process with timers wrapped around its stages (this script only
+Runs ``mlaconv.conversion.run.convert`` in this process with timers wrapped around its stages (this script only
 wraps functions; it changes nothing they compute), then times one forward pass of the source through
 transformers' own ``AutoModelForCausalLM`` over the same calibration windows (batches of
 ``--calib-batch-size``, float32, no cache): the yardstick of the issue, ``total ≤ 5× forward``.
@@ -41,10 +41,13 @@ from pathlib import Path
 
 import torch
 
-from mlaconv import calibrate, calibrated, plan as plan_module, verify as verify_module
-from mlaconv.conversion import convert
-from mlaconv.io.layout import LayerWriter
-from mlaconv.options import ConvertOptions
+from mlaconv.calibration import streamer as calibrate
+from mlaconv.conversion import calibrated
+from mlaconv.conversion import plan as plan_module
+from mlaconv.evaluate import verify as verify_module
+from mlaconv.conversion.run import convert
+from mlaconv.target.layout import LayerWriter
+from mlaconv.conversion.options import ConvertOptions
 
 
 class Timer:

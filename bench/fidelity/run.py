@@ -37,9 +37,9 @@ from bench.baselines.methods import convert_joint_svd, convert_transmla
 from bench.lib import REPO, WORK
 from bench.lib.eval import CALIB_WINDOWS, WINDOW, calibration_file, calibration_ids, eval_source, fidelity
 from bench.lib.results import markdown_table, write_result
-from mlaconv import calibrated
-from mlaconv.conversion import convert
-from mlaconv.options import ConvertOptions
+from mlaconv.conversion import calibrated
+from mlaconv.conversion.run import convert
+from mlaconv.conversion.options import ConvertOptions
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.refine import CHECK_EVERY, REFINE_BATCH
 

@@ -1,7 +1,7 @@
-"""The bench's data and fidelity figures, on top of ``mlaconv.evaluate`` and ``mlaconv.calibrate``.
+"""The bench's data and fidelity figures, on top of ``mlaconv.evaluate.perplexity`` and ``mlaconv.calibration.streamer``.
 
 Both models of a comparison are loaded through ``AutoModelForCausalLM`` in float32 and scored on the
-very same held-out ids, one batch of windows at a time (``mlaconv.evaluate.evaluate_perplexity``):
+very same held-out ids, one batch of windows at a time (``mlaconv.evaluate.perplexity.evaluate_perplexity``):
 PPL of each, drift = PPL ratio − 1, KL(source ‖ converted) per scored token, top-1 agreement.
 
     from bench.lib.eval import calibration_ids, eval_source, fidelity
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from bench.lib import WORK
-from mlaconv.calibration_windows import load_calibration_tokens
-from mlaconv.plan import load_source
-from mlaconv.evaluate import evaluate_perplexity
+from mlaconv.calibration.windows import load_calibration_tokens
+from mlaconv.conversion.plan import load_source
+from mlaconv.evaluate.perplexity import evaluate_perplexity
 from mlaconv.io.text import TokenSource
 
 WINDOW = 256

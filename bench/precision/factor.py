@@ -6,7 +6,7 @@ how far apart their attention outputs are next to what writing the layer in bflo
     OMP_NUM_THREADS=1 python -m bench.precision.factor 8192,64,8,128 448,64  # HIDDEN,HEADS,KV_HEADS,HEAD_DIM RANK,ROPE_DIM
 
 A random bfloat16 layer (weights ~ N(0, 0.02²), input norm 1 ± 0.1); the attention outputs are computed in float64
-by ``mlaconv.reference.mla_attention`` on 2 × 256 random hidden states.
+by ``mlaconv.mla.forward.mla_attention`` on 2 × 256 random hidden states.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from mlaconv.mla import rope
 from mlaconv.mla.attention import convert_attention
 from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
-from mlaconv.reference import mla_attention, rms_norm, rope_angles
+from mlaconv.mla.forward import mla_attention, rms_norm, rope_angles
 
 THETA = 500000.0
 

@@ -36,11 +36,11 @@ from safetensors.torch import load_file, save_file
 
 from bench.lib import WORK
 from bench.lib.eval import calibration_ids
-from mlaconv.calibrate import CalibrationOptions, SourceStreamer
-from mlaconv.pipeline import source_layers
-from mlaconv.plan import load_source
+from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
+from mlaconv.conversion.pipeline import source_layers
+from mlaconv.conversion.plan import load_source
 from mlaconv.mla.qk_norm import linear_fit
-from mlaconv.reference import query_key, rms_norm, rotate_half_pairs, source_attention
+from mlaconv.mla.forward import query_key, rms_norm, rotate_half_pairs, source_attention
 
 
 def relative(approx: torch.Tensor, exact: torch.Tensor) -> float:

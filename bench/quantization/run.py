@@ -60,10 +60,10 @@ def tokens_for(name: str, source: Path) -> torch.Tensor:
     if name.startswith("stories"):
         lines = (STORIES / "samples.jsonl").read_text().splitlines()
         return torch.tensor([json.loads(line)["input_ids"] for line in lines[:24]])
-    from mlaconv.arch import SourceSpec
+    from mlaconv.source.spec import SourceSpec
     from mlaconv.io import read_config
-    from mlaconv.models import load_causal_lm
-    from mlaconv.verify import verification_tokens
+    from mlaconv.io.models import load_causal_lm
+    from mlaconv.evaluate.verify import verification_tokens
 
     model = load_causal_lm(source, torch.float32)
     with torch.no_grad():
@@ -72,8 +72,8 @@ def tokens_for(name: str, source: Path) -> torch.Tensor:
 
 def convert_layout(source: Path, out: Path, layout: str, **shape) -> Path:
     import mlaconv.mla.attention as attention
-    from mlaconv.options import ConvertOptions
-    from mlaconv.conversion import convert
+    from mlaconv.conversion.options import ConvertOptions
+    from mlaconv.conversion.run import convert
 
     chosen = attention.input_scale
     if layout == "unscaled":
@@ -105,7 +105,7 @@ def per_channel(w: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def torch_logprobs(folder: Path, ids: torch.Tensor, fmt: str | None) -> torch.Tensor:
-    from mlaconv.models import load_causal_lm
+    from mlaconv.io.models import load_causal_lm
 
     model = load_causal_lm(folder, torch.float32)
     with torch.no_grad():

@@ -52,7 +52,7 @@ def convert(out: Path, args: list[str]) -> tuple[dict, float, float]:
 
 
 def score(out: Path, text: Path) -> dict:
-    from mlaconv.evaluate import evaluate_perplexity
+    from mlaconv.evaluate.perplexity import evaluate_perplexity
     from mlaconv.io.text import TokenSource
 
     report = evaluate_perplexity(out, SOURCE, source=TokenSource(text=text), window=WINDOW, max_windows=MAX_WINDOWS)
@@ -65,7 +65,7 @@ def forward_seconds(tokens: int, window: int) -> float:
     ``window``, as the calibration reads them."""
     import torch
 
-    from mlaconv.models import load_causal_lm
+    from mlaconv.io.models import load_causal_lm
 
     model = load_causal_lm(SOURCE, torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (max(1, tokens // window), window),

@@ -17,10 +17,10 @@ from dataclasses import replace
 import torch
 
 from bench.lib import WORK
-from mlaconv import calibrated
-from mlaconv.options import ConvertOptions
-from mlaconv.pipeline import source_layers
-from mlaconv.plan import plan_conversion, with_rope_stride
+from mlaconv.conversion import calibrated
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.pipeline import source_layers
+from mlaconv.conversion.plan import plan_conversion, with_rope_stride
 from mlaconv.mla import refine as R
 from mlaconv.mla.attention import factor_attention
 

@@ -15,14 +15,14 @@ import importlib
 __version__ = "0.1.0"
 
 _API = {  # public name → (module, attribute)
-    "convert": ("mlaconv.conversion", "convert"),
-    "ConvertOptions": ("mlaconv.options", "ConvertOptions"),
-    "inspect_spectra": ("mlaconv.spectra", "spectra"),
-    "SpectraOptions": ("mlaconv.spectra", "SpectraOptions"),
-    "evaluate_perplexity": ("mlaconv.evaluate", "evaluate_perplexity"),
-    "evaluate_retrieval": ("mlaconv.retrieval", "evaluate_retrieval"),
+    "convert": ("mlaconv.conversion.run", "convert"),
+    "ConvertOptions": ("mlaconv.conversion.options", "ConvertOptions"),
+    "inspect_spectra": ("mlaconv.inspect.spectra", "spectra"),
+    "SpectraOptions": ("mlaconv.inspect.spectra", "SpectraOptions"),
+    "evaluate_perplexity": ("mlaconv.evaluate.perplexity", "evaluate_perplexity"),
+    "evaluate_retrieval": ("mlaconv.evaluate.retrieval", "evaluate_retrieval"),
     "TokenSource": ("mlaconv.io.text", "TokenSource"),
-    "export_gguf": ("mlaconv.io.gguf", "export_gguf"),
+    "export_gguf": ("mlaconv.target.gguf", "export_gguf"),
     "MlaconvError": ("mlaconv.errors", "MlaconvError"),
     "ConversionReport": ("mlaconv.report", "ConversionReport"),
     "SpectraReport": ("mlaconv.report", "SpectraReport"),

@@ -61,13 +61,13 @@ def test_eval_inputs_are_checked_before_converting(stories, tmp_path):
 
 
 def test_a_failing_check_keeps_the_conversion(stories, tmp_path, monkeypatch):
-    import mlaconv.verify
+    import mlaconv.evaluate.verify
     from mlaconv.errors import MlaconvError
 
     def broken(*args, **kwargs):
         raise MlaconvError("simulated failure")
 
-    monkeypatch.setattr(mlaconv.verify, "verify", broken)
+    monkeypatch.setattr(mlaconv.evaluate.verify, "verify", broken)
     result = convert(stories, tmp_path / "out", "--rank", 8, "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -76,9 +76,9 @@ def test_a_failing_check_keeps_the_conversion(stories, tmp_path, monkeypatch):
 
 
 def test_eval_without_room_for_both_models_reports_no_kl(stories, tmp_path, monkeypatch):
-    import mlaconv.evaluate
+    import mlaconv.evaluate.perplexity
 
-    monkeypatch.setattr(mlaconv.evaluate, "available_memory_bytes", lambda: 1)
+    monkeypatch.setattr(mlaconv.evaluate.perplexity, "available_memory_bytes", lambda: 1)
     result = convert(stories, tmp_path / "out", "--rank", 8, "--no-verify", "--eval-tokens", stories / "samples.jsonl",
                      "--json")
     assert result.exit_code == 0, result.output
@@ -129,8 +129,8 @@ def test_calibrated_summary_shows_variants_errors_and_refinement(stories, tmp_pa
 def test_calibration_uses_the_gpu_when_torch_sees_one(monkeypatch):
     import torch
 
-    from mlaconv.options import ConvertOptions
-    from mlaconv.spectra import SpectraOptions
+    from mlaconv.conversion.options import ConvertOptions
+    from mlaconv.inspect.spectra import SpectraOptions
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert ConvertOptions().calibration_device == "cuda"

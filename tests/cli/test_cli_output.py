@@ -252,16 +252,16 @@ def test_a_bad_option_value_is_a_json_usage_error(tmp_path):
 ])
 def test_unexpected_failures_and_interrupts_are_json_errors_too(failure, kind, code, message, tmp_path, monkeypatch,
                                                                  tokens_file):
-    import mlaconv.conversion
-    import mlaconv.evaluate
+    import mlaconv.conversion.run
+    import mlaconv.evaluate.perplexity
     import mlaconv.runtime.bench
-    import mlaconv.spectra
+    import mlaconv.inspect.spectra
 
     def broken(*args, **kwargs):
         raise failure
 
-    for module, name in ((mlaconv.conversion, "convert"), (mlaconv.spectra, "spectra"),
-                         (mlaconv.evaluate, "evaluate_perplexity"), (mlaconv.runtime.bench, "run_decode_bench")):
+    for module, name in ((mlaconv.conversion.run, "convert"), (mlaconv.inspect.spectra, "spectra"),
+                         (mlaconv.evaluate.perplexity, "evaluate_perplexity"), (mlaconv.runtime.bench, "run_decode_bench")):
         monkeypatch.setattr(module, name, broken)
     for args in (["convert", STORIES, tmp_path / "out", "--rank", "8"], ["inspect", "spectra", STORIES],
                  ["eval", "perplexity", STORIES, "--tokens", tokens_file], ["bench", "decode"]):

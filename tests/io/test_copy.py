@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import RANK, assert_refused, cli, hashes, make_model
-from mlaconv import conversion
+from mlaconv.conversion import run as conversion
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, ShardedWriter
 from mlaconv.io import writer as writer_module
-from mlaconv.io.layout import LayerWriter, scaled
-from mlaconv.io.source import read_safetensors_header
+from mlaconv.target.layout import LayerWriter, scaled
+from mlaconv.io.reader import read_safetensors_header
 
 
 def _source(folder) -> dict[str, torch.Tensor]:

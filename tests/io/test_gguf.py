@@ -21,12 +21,12 @@ import torch
 from typer.testing import CliRunner
 
 from mlaconv.cli import app
-from mlaconv.options import ConvertOptions
-from mlaconv.conversion import convert
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
-from mlaconv.io.gguf import export_gguf
-from mlaconv.llamacpp import nll_sum, open_engine
-from mlaconv.models import load_causal_lm
+from mlaconv.target.gguf import export_gguf
+from mlaconv.evaluate.llamacpp import nll_sum, open_engine
+from mlaconv.io.models import load_causal_lm
 
 from conftest import STORIES, make_model
 

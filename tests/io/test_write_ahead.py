@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import RANK, assert_refused, cli, hashes, leftovers, make_model
-from mlaconv import conversion
+from mlaconv.conversion import run as conversion
 from mlaconv.io import ShardedWriter
 from mlaconv.io.writer import _WriteAhead
 from test_writer import MLACONV, _wait_for_writing

@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import torch
 
-from mlaconv.plan import factor_precision
+from mlaconv.conversion.plan import factor_precision
 from mlaconv.mla import rope
 from mlaconv.mla.attention import convert_attention
 from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
-from mlaconv.reference import mla_attention, rms_norm, rope_angles
+from mlaconv.mla.forward import mla_attention, rms_norm, rope_angles
 
 SHAPE = AttentionShape(hidden=256, heads=8, kv_heads=2, head_dim=32)
 OPTIONS = LayerOptions(rank=48, rope_dim=16, rope_theta=10000.0)
@@ -25,7 +25,7 @@ def bf16_layer(seed: int) -> SourceAttention:
 
 
 def attention_output(layer, stride: int, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The converted layer written in ``dtype``, computed in float64 (plain PyTorch, ``mlaconv.reference``)."""
+    """The converted layer written in ``dtype``, computed in float64 (plain PyTorch, ``mlaconv.mla.forward``)."""
     layer = layer.cast(dtype=dtype).cast(dtype=torch.float64)
     kept = rope.source_frequencies(OPTIONS.rope_theta, SHAPE.head_dim)[rope.kept_frequencies(OPTIONS.rope_dim, stride)]
     angles = rope_angles(kept, hidden.shape[1])

@@ -12,16 +12,16 @@ import torch
 import transformers as hf
 from typer.testing import CliRunner
 
-from mlaconv.arch import SourceSpec
-from mlaconv.calibrate import CalibrationOptions, SourceStreamer
+from mlaconv.source.spec import SourceSpec
+from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
 from mlaconv.cli import app
-from mlaconv.options import ConvertOptions
-from mlaconv.conversion import convert
-from mlaconv.pipeline import read_attention
-from mlaconv.families import FINAL_NORM, LM_HEAD
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.run import convert
+from mlaconv.conversion.pipeline import read_attention
+from mlaconv.source.families import FINAL_NORM, LM_HEAD
 from mlaconv.io import CheckpointReader, read_config
-from mlaconv.models import load_causal_lm
-from mlaconv.reference import rms_norm
+from mlaconv.io.models import load_causal_lm
+from mlaconv.mla.forward import rms_norm
 
 VOCAB = 96
 

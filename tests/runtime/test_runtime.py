@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import STORIES, make_model
-from mlaconv.absorb import write_absorbed
-from mlaconv.options import ConvertOptions
-from mlaconv.conversion import convert
+from mlaconv.target.absorb import write_absorbed
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
-from mlaconv.models import load_causal_lm
+from mlaconv.io.models import load_causal_lm
 from mlaconv.runtime import LatentDecoder, generate
 
 # fp32: max |Δlogit| / max |logit| over prefill and decode. The absorbed form is exact algebra; what

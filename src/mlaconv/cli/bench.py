@@ -17,7 +17,7 @@ from mlaconv.errors import MlaconvError
 COLUMNS = ["source", "dtype", "ctx", "cache MB a→c", "(a) ms", "(b) ms", "(c) ms", "(c′) ms", "c/a", "ideal",
            "c/a÷ideal", "core c/a", "core÷ideal"]
 LEGEND = ("(a) source K/V cache + SDPA; (b) MLA, K/V rebuilt from the latent each step (transformers); (c) MLA absorbed "
-          "on the latent cache (mlaconv.absorb weights); (c′) the same attention, W^UK/W^UV applied per head at run "
+          "on the latent cache (mlaconv.target.absorb weights); (c′) the same attention, W^UK/W^UV applied per head at run "
           "time; cache MB = cache bytes read per decoded token; ideal = cache bytes (a) / (c); core = attention over "
           "the cache only (no projections), (a) vs (c)")
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from mlaconv.cli import app
 from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
                                  report_console)
-from mlaconv.options import cli_parameters, with_options
+from mlaconv.conversion.options import cli_parameters, with_options
 from mlaconv.report import ConversionReport
 from mlaconv.report.record import Failure
 
@@ -33,9 +33,9 @@ def convert(
     --json prints the report (also OUT/mlaconv.json); its keys are listed in docs/report.md ("convert").
     """
     with handle_errors(debug, json_out):
-        from mlaconv.conversion import convert as run_convert
+        from mlaconv.conversion.run import convert as run_convert
         from mlaconv.errors import MlaconvError
-        from mlaconv.options import ConvertOptions, given_options, load_recipe
+        from mlaconv.conversion.options import ConvertOptions, given_options, load_recipe
 
         settings = given_options(flags)
         options = ConvertOptions.from_recipe(recipe, **settings) if recipe is not None else ConvertOptions(**settings)

@@ -43,7 +43,7 @@ def perplexity(
     --json prints the report; its keys are listed in docs/report.md ("eval").
     """
     with handle_errors(debug, json_out):
-        from mlaconv.evaluate import evaluate_perplexity
+        from mlaconv.evaluate.perplexity import evaluate_perplexity
         from mlaconv.io.text import TokenSource
 
         source = TokenSource(text=text, dataset=dataset, tokens=tokens)
@@ -113,7 +113,7 @@ def retrieval(
     --json prints the report; its keys are listed in docs/report.md ("retrieval").
     """
     with handle_errors(debug, json_out):
-        from mlaconv.retrieval import evaluate_retrieval
+        from mlaconv.evaluate.retrieval import evaluate_retrieval
 
         asked = None if lengths is None else token_counts(lengths, "--lengths")
         with progress(quiet) as track:

@@ -39,7 +39,7 @@ def gguf(
         from mlaconv.errors import MlaconvError
 
         try:
-            from mlaconv.io.gguf import export_gguf
+            from mlaconv.target.gguf import export_gguf
         except ModuleNotFoundError as exc:
             if exc.name != "gguf":
                 raise

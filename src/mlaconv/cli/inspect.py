@@ -14,7 +14,7 @@ from mlaconv.cli import inspect_app
 from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
                                  report_console)
 from mlaconv.errors import MlaconvError
-from mlaconv.options import cli_parameters, given_options, with_options
+from mlaconv.conversion.options import cli_parameters, given_options, with_options
 from mlaconv.report import SpectraReport
 from mlaconv.report.spectra import SpectraRefinement
 
@@ -51,10 +51,10 @@ def spectra(
     energy_targets.
     """
     with handle_errors(debug, json_out):
-        from mlaconv.spectra import SpectraOptions, check_output_file, spectra as run_spectra, write_csv
+        from mlaconv.inspect.spectra import SpectraOptions, check_output_file, spectra as run_spectra, write_csv
 
         if plot is not None:
-            from mlaconv.plot import require_matplotlib
+            from mlaconv.inspect.plot import require_matplotlib
 
             require_matplotlib()
             check_output_file(plot, ".png", "--plot")
@@ -69,7 +69,7 @@ def spectra(
         console = report_console(json_out)
         render_report(report, console)
         if plot is not None:
-            from mlaconv.plot import save_spectra_plot
+            from mlaconv.inspect.plot import save_spectra_plot
 
             save_spectra_plot(report, plot)
             line(console, f"plot: {escape(str(plot))}")

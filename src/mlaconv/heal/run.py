@@ -14,16 +14,16 @@ from pathlib import Path
 
 import torch
 
-from mlaconv import deepseek
-from mlaconv.calibration_windows import load_calibration_tokens
+from mlaconv.target import deepseek
+from mlaconv.calibration.windows import load_calibration_tokens
 from mlaconv.errors import MlaconvError
 from mlaconv.heal.distill import (HELD_WINDOWS, STEP_COST, TRAINED, HealOptions, check_options, default_tokens,
                                   teacher_targets, train)
 from mlaconv.io import atomic_output_dir, check_output_target
 from mlaconv.io.text import TokenSource
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, latent_bound
-from mlaconv.models import load_causal_lm
-from mlaconv.plan import CalibrationData, load_source
+from mlaconv.io.models import load_causal_lm
+from mlaconv.conversion.plan import CalibrationData, load_source
 from mlaconv.progress import Progress, no_progress
 from mlaconv.report import ConversionReport
 from mlaconv.report.conversion import HealFigures, HealReport
@@ -125,7 +125,7 @@ def _check_pair(folder: Path, spec) -> None:
 
 def _held_out_figures(model: Path, source: Path, windows: torch.Tensor, progress: Progress) -> HealFigures:
     """Drift, KL and top-1 of ``model`` against ``source`` on the held-out windows (``eval perplexity``'s code)."""
-    from mlaconv.evaluate import evaluate_perplexity
+    from mlaconv.evaluate.perplexity import evaluate_perplexity
 
     with tempfile.TemporaryDirectory() as scratch:
         ids = Path(scratch) / "held_out.jsonl"
@@ -140,7 +140,7 @@ def _tiny_latent(folder: Path, rank: int, delta: float, state: dict[str, torch.T
     it, the rows are scaled to 99% of it and kv_a_layernorm's weight up by the same factor (the same function while
     the norm is linear). Returns the state as stored, the largest bound and the layers rescaled."""
     from mlaconv.io import CheckpointReader
-    from mlaconv.pipeline import checkpoint_layers
+    from mlaconv.conversion.pipeline import checkpoint_layers
 
     reader, bounds, rescaled = CheckpointReader(folder), [], []
     for layer in checkpoint_layers(reader, json.loads((folder / "config.json").read_text())["num_hidden_layers"]):
@@ -203,9 +203,9 @@ def _rewrite(folder: Path, into: Path, state: dict[str, torch.Tensor]) -> None:
 def _update_report(tmp: Path, out: Path, source: Path, spec, report: ConversionReport, result: HealReport) -> None:
     """The healed folder's mlaconv.json and model card: the heal section, the built-in check rerun, the verdict
     redone; an evaluation of the model before healing is dropped (its figures are in the heal section's notes)."""
-    from mlaconv.model_card import write_model_card
-    from mlaconv.verdict import conversion_verdict
-    from mlaconv.verify import verify
+    from mlaconv.target.model_card import write_model_card
+    from mlaconv.evaluate.verdict import conversion_verdict
+    from mlaconv.evaluate.verify import verify
 
     if report.eval is not None:
         result.notes.append("the conversion's evaluation (`eval`) measured the model before healing and was "

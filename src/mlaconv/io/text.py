@@ -1,5 +1,5 @@
 """Reading evaluation and calibration inputs: UTF-8 text files, token-id JSONL files and Hugging Face datasets,
-and turning an evaluation source into the ids and windows ``mlaconv.evaluate`` scores."""
+and turning an evaluation source into the ids and windows ``mlaconv.evaluate.perplexity`` scores."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from mlaconv.errors import MlaconvError
-from mlaconv.models import load_tokenizer
+from mlaconv.io.models import load_tokenizer
 
 WIKITEXT = ("wikitext", "wikitext-2-raw-v1", "test")  # what plain ``--dataset wikitext`` means
 DEFAULT_SPLIT = "test"

@@ -22,7 +22,7 @@ from typing import BinaryIO, Callable, Iterator
 import torch
 
 from mlaconv.errors import MlaconvError
-from mlaconv.io.source import SAFETENSORS_DTYPES, StoredTensor, cut_short
+from mlaconv.io.reader import SAFETENSORS_DTYPES, StoredTensor, cut_short
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
 HEADER_RESERVE = 64 * 2**10  # bytes kept for a shard's header: ~400 tensor entries

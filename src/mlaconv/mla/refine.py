@@ -20,7 +20,7 @@ from mlaconv.mla.attention import LatentAttention
 
 from mlaconv.mla.layer import AttentionShape
 from mlaconv.mla.rope import rotate_interleaved
-from mlaconv.reference import causal_attention, rms_norm
+from mlaconv.mla.forward import causal_attention, rms_norm
 
 CHECK_EVERY = 10  # steps between two measurements on the select windows
 REFINE_LR = 3e-2  # relative learning rate to start from (with BACKOFF; bench/refine/README.md, issue 16)

@@ -155,7 +155,7 @@ class Verification(Record):
 
 @dataclass
 class Verdict(Record):
-    """Close, degraded or broken (``mlaconv.verdict``), the figures and the measurement it rests on; "none" where no
+    """Close, degraded or broken (``mlaconv.evaluate.verdict``), the figures and the measurement it rests on; "none" where no
     measurement was made."""
 
     level: str

@@ -4,7 +4,7 @@
     model = LatentDecoder.load("out/")            # uses out/absorbed/ when present
     ids = generate(model, prompt_ids, 32)         # greedy; temperature/top_k/seed to sample
 
-Attention runs on the cached rows [ĉ | rotated k^R] with the absorbed weights of ``mlaconv.absorb``.
+Attention runs on the cached rows [ĉ | rotated k^R] with the absorbed weights of ``mlaconv.target.absorb``.
 """
 
 from mlaconv.runtime.generate import generate, next_token

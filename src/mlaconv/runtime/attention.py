@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mlaconv.absorb import AbsorbedAttention
-from mlaconv.deepseek import MLAShape
+from mlaconv.target.absorb import AbsorbedAttention
+from mlaconv.target.deepseek import MLAShape
 from mlaconv.mla.layer import MLAAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 from mlaconv.mla.rope import rotate_interleaved

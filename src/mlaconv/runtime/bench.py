@@ -7,7 +7,7 @@ new token's hidden state x [1, 1, H], appends its cache entry at position T−1 
   (b) expanded  MLA as transformers runs it: per-head K/V rebuilt from the   reads (r+R)·T values but
                 latent cache with kv_b_proj every step, then SDPA           computes N·(P+V)·r·T MACs
   (c) absorbed  MLA on the latent cache with the absorbed weights of        reads (r+R)·T values
-                ``mlaconv.absorb`` (q_latent [N, r, H], o_latent [H, N·r])
+                ``mlaconv.target.absorb`` (q_latent [N, r, H], o_latent [H, N·r])
   (c′) factored the same attention on the latent, but W^UK / W^UV applied as per-head products at run
                 time (vLLM's layout), from q_proj, kv_b_proj and o_proj: fewer weight bytes when r > P
 
@@ -28,11 +28,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from mlaconv.absorb import absorb_attention
-from mlaconv.deepseek import MLAShape
+from mlaconv.target.absorb import absorb_attention
+from mlaconv.target.deepseek import MLAShape
 from mlaconv.mla.layer import AttentionShape, MLAAttention
 from mlaconv.errors import MlaconvError
-from mlaconv import models
+from mlaconv.io import models
 from mlaconv.mla.rope import rotate_interleaved
 from mlaconv.progress import Progress, no_progress
 from mlaconv.runtime.attention import (absorbed_attention, attend_latent, expanded_attention, latent_rows,

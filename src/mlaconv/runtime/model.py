@@ -2,7 +2,7 @@
 
 Per layer (as in DeepSeek-V3 dense layers): h ← h + attention(RMSNorm(h)), h ← h + MLP(RMSNorm(h)),
 with the SwiGLU MLP down(silu(gate x) ⊙ up x); then the final RMSNorm and lm_head. Attention is the
-absorbed form (``mlaconv.absorb``); everything else is read from the standard checkpoint.
+absorbed form (``mlaconv.target.absorb``); everything else is read from the standard checkpoint.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mlaconv import deepseek
-from mlaconv.deepseek import MLAShape
-from mlaconv.absorb import (ABSORBED_DIR, MANIFEST, AbsorbedAttention, RopeSpec, check_config,
+from mlaconv.target import deepseek
+from mlaconv.target.deepseek import MLAShape
+from mlaconv.target.absorb import (ABSORBED_DIR, MANIFEST, AbsorbedAttention, RopeSpec, check_config,
                             checked_absorb, read_absorbed_layer, read_absorbed_manifest)
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, read_config
-from mlaconv.pipeline import checkpoint_layers
+from mlaconv.conversion.pipeline import checkpoint_layers
 from mlaconv.runtime.attention import absorbed_attention, latent_rows, rope_cos_sin, widened
 
 

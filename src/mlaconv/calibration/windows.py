@@ -1,7 +1,7 @@
 """Calibration windows: cut from text, a dataset or token-id files, and split into the fit, select and audit sets.
 
 *fit* windows give the statistics and the refinement's steps, *select* windows make every choice, *audit* windows are
-only measured on (``mlaconv.calibrate``).
+only measured on (``mlaconv.calibration.streamer``).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from mlaconv.arch import SourceSpec
+from mlaconv.source.spec import SourceSpec
 from mlaconv.errors import MlaconvError
 from mlaconv.io.text import load_dataset_text, read_text, read_token_lines
-from mlaconv.models import load_tokenizer
+from mlaconv.io.models import load_tokenizer
 
 
 def load_calibration_tokens(source: Path, spec: SourceSpec, files: list[str], dataset: str | None,

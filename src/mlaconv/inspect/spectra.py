@@ -30,10 +30,10 @@ from typing import Callable
 import torch
 
 from mlaconv import __version__
-from mlaconv.calibrated import calibrated_layer_options, calibration_streamer, window_sets
-from mlaconv.options import ConvertOptions, flags, shared
-from mlaconv.pipeline import source_layers
-from mlaconv.plan import ShapeChoice, factor_precision, model_full_rank, output_dtype, plan_conversion, with_rope_stride
+from mlaconv.conversion.calibrated import calibrated_layer_options, calibration_streamer, window_sets
+from mlaconv.conversion.options import ConvertOptions, flags, shared
+from mlaconv.conversion.pipeline import source_layers
+from mlaconv.conversion.plan import ShapeChoice, factor_precision, model_full_rank, output_dtype, plan_conversion, with_rope_stride
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import latent as latent_math
 from mlaconv.mla import metric as metric_math
@@ -45,8 +45,8 @@ from mlaconv.mla.shared_key import (RotaryFigures, closed_form_slots, query_ener
 from mlaconv.progress import Progress, no_progress
 from mlaconv.report import SpectraReport
 from mlaconv.report.spectra import LayerSpectrum, Recommendation, SpectraSummary
-from mlaconv.rotary_audit import rotary_audit
-from mlaconv.spectra_refine import start_refinement
+from mlaconv.calibration.rotary_audit import rotary_audit
+from mlaconv.inspect.refine import start_refinement
 
 DEFAULT_ENERGY_TARGETS = (0.9, 0.95, 0.99)
 DEFAULT_POWERS_OF_TWO = 6  # default ranks: the 6 largest powers of two below the full rank, and the full rank

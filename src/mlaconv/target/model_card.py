@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from mlaconv.engines import VLLM_MLA_HEAD_SIZES, head_sizes_text
+from mlaconv.target.engines import VLLM_MLA_HEAD_SIZES, head_sizes_text
 from mlaconv.report import ConversionReport, EvalReport, RetrievalReport
 from mlaconv.report.conversion import Calibration, Verification
 from mlaconv.report.record import Failure
@@ -103,7 +103,7 @@ def _verdict(report: ConversionReport) -> str:
     mark = {"close": "Close to the source", "degraded": "Degraded", "broken": "**Broken: do not serve**"}
     heading = mark.get(verdict.level, "No verdict")
     return "\n".join(["## Verdict", "", f"{heading}. {verdict.message[0].upper()}{verdict.message[1:]}.",
-                      "", "(Thresholds: `mlaconv.verdict`; close = KL < 0.05 per token and top-1 agreement ≥ 90%, "
+                      "", "(Thresholds: `mlaconv.evaluate.verdict`; close = KL < 0.05 per token and top-1 agreement ≥ 90%, "
                       "broken = KL ≥ 1 or top-1 < 40%.)"])
 
 
@@ -259,7 +259,7 @@ def _verification(check: Verification | Failure | None) -> str:
         "",
         f"The converted folder was loaded through `AutoModelForCausalLM` (as `{check.loader or '?'}`) "
         f"and compared with the source{where}, in {check.dtype or '?'}; each engine's column is that "
-        "transformers model with the engine's rewrites applied (`mlaconv.engines`):",
+        "transformers model with the engine's rewrites applied (`mlaconv.target.engines`):",
         "",
         "| " + " | ".join(header) + " |",
         "|---|" + "---:|" * (len(header) - 1),

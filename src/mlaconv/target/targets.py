@@ -1,6 +1,6 @@
 """Serving targets: what a converted checkpoint holds so that the engines it is meant for compute the same function.
 
-``--target portable`` (the default) is for every engine in ``mlaconv.engines``: no bias tensors (vLLM and
+``--target portable`` (the default) is for every engine in ``mlaconv.target.engines``: no bias tensors (vLLM and
 SGLang drop them, llama.cpp has no place for them) and a rope configuration vLLM, SGLang and transformers
 compute alike. ``transformers`` keeps today's output (biases written, the source's rope_scaling as it is).
 ``vllm`` and ``sglang`` are bias-free like portable; ``llamacpp`` is bias-free and keeps linear scaling
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaconv.engines import BIASES, VLLM_MLA_HEAD_SIZES, deepseek_yarn_frequencies, head_sizes_text
+from mlaconv.target.engines import BIASES, VLLM_MLA_HEAD_SIZES, deepseek_yarn_frequencies, head_sizes_text
 from mlaconv.errors import MlaconvError
 from mlaconv.report.conversion import TargetReport
 

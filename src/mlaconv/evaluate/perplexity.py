@@ -31,7 +31,7 @@ from mlaconv.errors import MlaconvError
 from mlaconv.progress import Progress, no_progress
 from mlaconv.io import read_config, resolve_source
 from mlaconv.io.text import TokenSource, cut_windows, load_eval_tokens
-from mlaconv.models import (DTYPES, available_memory_bytes, check_device, kv_cache_bytes_per_token, kv_cache_elements,
+from mlaconv.io.models import (DTYPES, available_memory_bytes, check_device, kv_cache_bytes_per_token, kv_cache_elements,
                             load_causal_lm, parameter_bytes, refuse_float16_mla)
 from mlaconv.report import EvalReport
 from mlaconv.report.evaluation import PositionBucket
@@ -122,7 +122,7 @@ def evaluate_perplexity(model: str | Path, baseline: str | Path | None = None, *
     """
     started = time.perf_counter()
     torch_dtype = _parse_options(window, max_windows, batch_size, dtype, device, device_map)
-    from mlaconv import engines
+    from mlaconv.target import engines
 
     engines.engine(engine)
     folders = resolve_models(model, baseline)

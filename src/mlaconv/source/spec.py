@@ -1,6 +1,6 @@
 """Source architectures as data: the table of families we convert, and why each one we refuse is refused.
 
-A supported family is an entry in ``FAMILIES`` (its hooks live in ``mlaconv.families``); adding one
+A supported family is an entry in ``FAMILIES`` (its hooks live in ``mlaconv.source.families``); adding one
 that shares Llama's layout is one line. ``SourceSpec.from_config`` turns a ``config.json`` into the
 normalised shapes the converter needs, and refuses, in one line and with the reason, anything whose
 computation the DeepSeek-V3 layout cannot hold.
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from mlaconv.errors import MlaconvError
-from mlaconv.models import DTYPES
-from mlaconv.families import EMBED, FINAL_NORM, LM_HEAD, BiasRule, Family, Granite, Phi3, SmolLM3, layer_name
+from mlaconv.io.models import DTYPES
+from mlaconv.source.families import EMBED, FINAL_NORM, LM_HEAD, BiasRule, Family, Granite, Phi3, SmolLM3, layer_name
 from mlaconv.mla import rope
 from mlaconv.mla.layer import AttentionShape
 

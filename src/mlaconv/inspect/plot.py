@@ -26,7 +26,7 @@ def require_matplotlib() -> None:
 def spectra_figure(report: SpectraReport):
     """Two panels, one curve per layer in each: normalised singular values, and energy kept against rank.
 
-    ``report`` is what ``mlaconv.spectra.spectra`` returns; returns a matplotlib ``Figure``.
+    ``report`` is what ``mlaconv.inspect.spectra.spectra`` returns; returns a matplotlib ``Figure``.
     """
     require_matplotlib()
     from matplotlib import colormaps

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from mlaconv import deepseek
-from mlaconv.arch import QK_NORM_NEEDS_CALIBRATION, SourceSpec
+from mlaconv.target import deepseek
+from mlaconv.source.spec import QK_NORM_NEEDS_CALIBRATION, SourceSpec
 from mlaconv.errors import MlaconvError
 from mlaconv.io.text import TokenSource, token_counts
 from mlaconv.io import CheckpointReader, read_config, resolve_source
@@ -20,13 +20,13 @@ from mlaconv.mla.attention import full_rank
 from mlaconv.mla.layer import AttentionShape, LayerOptions, mla_cache_elements
 from mlaconv.mla.shared_key import key_energies
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
-from mlaconv.models import DTYPES, check_device, has_tokenizer
-from mlaconv.options import ConvertOptions, Recipe, load_recipe
-from mlaconv.pipeline import source_layers
+from mlaconv.io.models import DTYPES, check_device, has_tokenizer
+from mlaconv.conversion.options import ConvertOptions, Recipe, load_recipe
+from mlaconv.conversion.pipeline import source_layers
 from mlaconv.progress import Progress, no_progress
-from mlaconv.targets import Target, check_head_size, rope_scaling_for, served_budget, target
+from mlaconv.target.targets import Target, check_head_size, rope_scaling_for, served_budget, target
 
-GENERAL_TEXT = Path(__file__).resolve().parent / "data" / "general.txt"
+GENERAL_TEXT = Path(__file__).resolve().parents[1] / "data" / "general.txt"
 GENERAL_TEXT_DESCRIPTION = ("mlaconv's bundled general text (data/general.txt: 419 KB of public-domain narrative and "
                             "dialogue, Python code and documentation under the PSF licence; data/general.md)")
 
@@ -254,7 +254,7 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
                            f"{'head_dim' if spec.rotary_dim == spec.head_dim else 'the rotary dims'} {spec.rotary_dim}")
     check_device(options.device)
     if options.absorbed and spec.rope_scaling and spec.rope_scaling["rope_type"] == "longrope":
-        from mlaconv.absorb import LONGROPE_REFUSAL
+        from mlaconv.target.absorb import LONGROPE_REFUSAL
 
         raise MlaconvError(f"--absorbed is refused for this model: {LONGROPE_REFUSAL}")
     if options.calib_tokens < 1:

@@ -16,19 +16,19 @@ from functools import partial
 
 import torch
 
-from mlaconv.calibrate import CalibrationOptions, MLARun, SourceStreamer
-from mlaconv.calibration_windows import WindowSplit, load_calibration_tokens, split_windows
-from mlaconv.options import ConvertOptions
-from mlaconv.pipeline import SourceLayer, source_layers
-from mlaconv.plan import Plan, ShapeChoice, kv_budget, rope_strides, shape_candidates
-from mlaconv.targets import target
+from mlaconv.calibration.streamer import CalibrationOptions, MLARun, SourceStreamer
+from mlaconv.calibration.windows import WindowSplit, load_calibration_tokens, split_windows
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.pipeline import SourceLayer, source_layers
+from mlaconv.conversion.plan import Plan, ShapeChoice, kv_budget, rope_strides, shape_candidates
+from mlaconv.target.targets import target
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
 from mlaconv.mla.attention import assemble, convert_attention, factor_attention, latent_errors
 from mlaconv.mla.layer import LayerOptions, LayerReport, MLAAttention
 from mlaconv.mla.refine import CHECK_EVERY, QUERY_SHARE, REFINE_BATCH, REFINE_LR, refine, refinement_flops
 from mlaconv.progress import Progress, no_progress
-from mlaconv.rotary_audit import RotaryAudit, rotary_audit
+from mlaconv.calibration.rotary_audit import RotaryAudit, rotary_audit
 from mlaconv.report.conversion import (Agreement, Calibration, LayerFigures, LayerSelection, RefinementOutcome,
                                        ShapeSearch, SplitCandidate, WholeModel)
 from mlaconv.report.record import WindowSets

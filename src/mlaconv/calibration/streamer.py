@@ -20,16 +20,16 @@ from typing import Sequence
 
 import torch
 
-from mlaconv.arch import SourceSpec
-from mlaconv.calibration_windows import WindowSplit, split_windows
-from mlaconv.families import EMBED, FINAL_NORM, LM_HEAD, SourceWeights
+from mlaconv.source.spec import SourceSpec
+from mlaconv.calibration.windows import WindowSplit, split_windows
+from mlaconv.source.families import EMBED, FINAL_NORM, LM_HEAD, SourceWeights
 from mlaconv.io import CheckpointReader
 from mlaconv.progress import Progress, no_progress
 from mlaconv.mla import qk_norm
 from mlaconv.mla.layer import LayerStats, MLAAttention, SourceAttention
 from mlaconv.mla.refine import NormalizedWindows
 from mlaconv.mla.rope import pair_frequencies
-from mlaconv.reference import (attention_by_distance, mla_attention, mlp_block, query_key, rms_norm,
+from mlaconv.mla.forward import (attention_by_distance, mla_attention, mlp_block, query_key, rms_norm,
                                rope_angles, source_attention)
 
 

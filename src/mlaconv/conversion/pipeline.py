@@ -18,10 +18,10 @@ from typing import Iterator
 
 import torch
 
-from mlaconv import deepseek
-from mlaconv.arch import SourceSpec
-from mlaconv.calibrate import MLARun, SourceStreamer
-from mlaconv.families import SourceWeights
+from mlaconv.target import deepseek
+from mlaconv.source.spec import SourceSpec
+from mlaconv.calibration.streamer import MLARun, SourceStreamer
+from mlaconv.source.families import SourceWeights
 from mlaconv.io import CheckpointReader
 from mlaconv.mla.layer import LayerStats, MLAAttention, SourceAttention
 from mlaconv.progress import Progress, no_progress

@@ -28,11 +28,11 @@ import torch
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import qk_norm
 from mlaconv.mla.layer import SourceAttention
-from mlaconv.reference import MLPWeights
+from mlaconv.mla.forward import MLPWeights
 
 if TYPE_CHECKING:
-    from mlaconv.arch import SourceSpec
-    from mlaconv.io.source import StoredTensor
+    from mlaconv.source.spec import SourceSpec
+    from mlaconv.io.reader import StoredTensor
 
 BiasRule = Literal["never", "always", "config"]
 

@@ -10,15 +10,15 @@ from pathlib import Path
 import torch
 
 from mlaconv import __version__
-from mlaconv.arch import SourceSpec
-from mlaconv.engines import BIASES
+from mlaconv.source.spec import SourceSpec
+from mlaconv.target.engines import BIASES
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 from mlaconv.mla.layer import LayerReport
-from mlaconv.options import ConvertOptions
-from mlaconv.plan import ShapeChoice, kv_cache_figures
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.plan import ShapeChoice, kv_cache_figures
 from mlaconv.report import ConversionReport
 from mlaconv.report.conversion import EnergyFigures, KVFigures, LatentNorm, SourceShape, TargetReport
-from mlaconv.serving import serving_notes
+from mlaconv.target.serving import serving_notes
 
 
 def conversion_report(spec: SourceSpec, shapes: ShapeChoice, config: dict, reports: list[LayerReport], out: Path,

@@ -40,13 +40,13 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import LlamaFileType
 
-from mlaconv import deepseek
-from mlaconv.deepseek import MLAShape
+from mlaconv.target import deepseek
+from mlaconv.target.deepseek import MLAShape
 from mlaconv.errors import MlaconvError
-from mlaconv.io.gguf_vocab import Vocabulary, read_vocabulary
-from mlaconv.io.source import CheckpointReader, read_config
+from mlaconv.target.gguf_vocab import Vocabulary, read_vocabulary
+from mlaconv.io.reader import CheckpointReader, read_config
 from mlaconv.io.writer import atomic_output_file, check_free_space
-from mlaconv.pipeline import checkpoint_layers
+from mlaconv.conversion.pipeline import checkpoint_layers
 from mlaconv.progress import Progress, no_progress
 
 LLAMA_CPP_CHECKED = "llama.cpp 0c1e57098 (vendored in llama-cpp-python 0.3.36)"

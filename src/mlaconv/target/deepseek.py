@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaconv.arch import SourceSpec
+from mlaconv.source.spec import SourceSpec
 from mlaconv.io import CheckpointReader
 from mlaconv.mla.layer import MLAAttention, mla_cache_elements
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS

@@ -27,24 +27,24 @@ from typing import Callable, Iterable, Iterator, Protocol, TypeVar
 import torch
 
 from mlaconv.errors import MlaconvError
-from mlaconv.evaluate import evaluate_perplexity
+from mlaconv.evaluate.perplexity import evaluate_perplexity
 from mlaconv.io import ShardedWriter, atomic_output_dir, check_free_space, check_output_target
 from mlaconv.io.heap import heap_reuse
-from mlaconv.io.layout import LayerWriter, copy_tokenizer
+from mlaconv.target.layout import LayerWriter, copy_tokenizer
 from mlaconv.mla.attention import convert_attention
 from mlaconv.mla.layer import LayerReport, MLAAttention, SourceAttention
-from mlaconv.model_card import write_model_card
-from mlaconv.options import ConvertOptions
-from mlaconv.pipeline import SourceLayer, source_layers
-from mlaconv.plan import (Plan, calibration_description, estimate_output_bytes, eval_source, factor_precision, output_config, output_dtype,
+from mlaconv.target.model_card import write_model_card
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.pipeline import SourceLayer, source_layers
+from mlaconv.conversion.plan import (Plan, calibration_description, estimate_output_bytes, eval_source, factor_precision, output_config, output_dtype,
                           plan_conversion, with_rope_stride)
-from mlaconv.conversion_report import conversion_report
+from mlaconv.conversion.report import conversion_report
 from mlaconv.progress import Progress, no_progress
 from mlaconv.report import ConversionReport, EvalReport
 from mlaconv.report.conversion import Absorbed
 from mlaconv.report.record import Failure
-from mlaconv.targets import target_report
-from mlaconv.verdict import conversion_verdict
+from mlaconv.target.targets import target_report
+from mlaconv.evaluate.verdict import conversion_verdict
 
 WRITE_AHEAD_BYTES = 64 * 2**20  # tensors waiting for the writer's thread, at most (or one larger)
 LAYER_MEMORY = 2**30  # weights only: a second layer is factored at once only below this working set
@@ -179,7 +179,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     check_free_space(out.parent, estimate_output_bytes(spec, plan.shapes, dtype, options.absorbed))
     streamer = shape_search = None
     if plan.calibrated:
-        from mlaconv import calibrated
+        from mlaconv.conversion import calibrated
 
         plan, streamer, refinement, shape_search = calibrated.prepare(plan, options, progress)
     plan = with_rope_stride(plan, progress)
@@ -225,7 +225,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
                                                                       device=options.calibration_device),
                 plan.shapes.rank, options.delta, progress, window_cap=options.calib_window), "healing")
         if options.verify:
-            from mlaconv.verify import verify
+            from mlaconv.evaluate.verify import verify
 
             report.verify = _after_conversion(
                 lambda: verify(folder, tmp, spec, windows=options.verify_windows, window=options.verify_window),
@@ -237,7 +237,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
                                                  "the retrieval evaluation")
         report.verdict = conversion_verdict(report.verify, report.eval)
         if options.absorbed:
-            from mlaconv.absorb import write_absorbed
+            from mlaconv.target.absorb import write_absorbed
 
             manifest = write_absorbed(tmp, shard_size=options.shard_size)
             report.absorbed = Absorbed(str(out / "absorbed"), len(manifest["tensors"]),
@@ -280,7 +280,7 @@ def _after_conversion(check: Callable[[], Checked], what: str) -> Checked | Fail
 def _retrieval(converted: Path, source: Path, out: Path, options: ConvertOptions, progress: Progress):
     """``mlaconv eval retrieval`` of the fresh conversion against its source (same code path)."""
     from mlaconv.io.text import token_counts
-    from mlaconv.retrieval import evaluate_retrieval
+    from mlaconv.evaluate.retrieval import evaluate_retrieval
 
     result = evaluate_retrieval(converted, source, lengths=token_counts(options.eval_retrieval, "--eval-retrieval"),
                                 device=options.device if options.device != "cpu" else None, progress=progress)

@@ -35,16 +35,17 @@ from pathlib import Path
 
 import torch
 
-from mlaconv import __version__, deepseek
-from mlaconv.deepseek import MLAShape
-from mlaconv.arch import rope_settings
+from mlaconv import __version__
+from mlaconv.target import deepseek
+from mlaconv.target.deepseek import MLAShape
+from mlaconv.source.spec import rope_settings
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, ShardedWriter, atomic_output_dir, read_config
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
 from mlaconv.mla import rope
 from mlaconv.mla.layer import MLAAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
-from mlaconv.pipeline import checkpoint_layers
+from mlaconv.conversion.pipeline import checkpoint_layers
 
 ABSORBED_DIR = "absorbed"
 MANIFEST = "absorbed.json"
@@ -269,7 +270,7 @@ def read_absorbed_manifest(folder: Path) -> dict:
     """The parsed absorbed.json of an absorbed-weights folder."""
     path = Path(folder) / MANIFEST
     if not path.is_file():
-        raise MlaconvError(f"{folder} has no {MANIFEST}; write it with mlaconv.absorb.write_absorbed")
+        raise MlaconvError(f"{folder} has no {MANIFEST}; write it with mlaconv.target.absorb.write_absorbed")
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT:
         raise MlaconvError(f"{path} is not an {FORMAT} manifest")

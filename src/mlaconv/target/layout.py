@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from mlaconv import deepseek
-from mlaconv.arch import SourceSpec
-from mlaconv.families import SourceWeights
+from mlaconv.target import deepseek
+from mlaconv.source.spec import SourceSpec
+from mlaconv.source.families import SourceWeights
 from mlaconv.io.pending import PendingTensors
-from mlaconv.io.source import CheckpointReader
+from mlaconv.io.reader import CheckpointReader
 from mlaconv.io.writer import ShardedWriter
 from mlaconv.mla.layer import MLAAttention
 

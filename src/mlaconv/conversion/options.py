@@ -25,8 +25,8 @@ from mlaconv.errors import MlaconvError
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
 from mlaconv.mla.latent_norm import DEFAULT_DELTA
 from mlaconv.mla.refine import CHECK_EVERY, REFINE_BATCH
-from mlaconv.models import default_device
-from mlaconv.targets import DEFAULT_TARGET
+from mlaconv.io.models import default_device
+from mlaconv.target.targets import DEFAULT_TARGET
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ rewrite every non-default ``rope_scaling`` to DeepSeek-YaRN.
 
 from __future__ import annotations
 
-from mlaconv.arch import SourceSpec
-from mlaconv.engines import VLLM_MLA_HEAD_SIZES, head_sizes_text
+from mlaconv.source.spec import SourceSpec
+from mlaconv.target.engines import VLLM_MLA_HEAD_SIZES, head_sizes_text
 from mlaconv.report.conversion import Serving
 
 

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlaconv.calibrated import RefinementPlan, calibrate_layer, prepare
-from mlaconv.calibrate import SourceStreamer
+from mlaconv.conversion.calibrated import RefinementPlan, calibrate_layer, prepare
+from mlaconv.calibration.streamer import SourceStreamer
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.layer import LayerReport
-from mlaconv.options import ConvertOptions
-from mlaconv.pipeline import SourceLayer
-from mlaconv.plan import Plan
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.pipeline import SourceLayer
+from mlaconv.conversion.plan import Plan
 from mlaconv.progress import Progress, no_progress
 from mlaconv.report.conversion import ShapeSearch
 from mlaconv.report.spectra import LayerAudit, LayerRefinement, SpectraRefinement
-from mlaconv.rotary_audit import RotaryAudit
+from mlaconv.calibration.rotary_audit import RotaryAudit
 
 
 @dataclass

@@ -18,7 +18,7 @@ from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
 from mlaconv.mla.rope import kept_frequencies
 from mlaconv.mla.shared_key import (RotaryFigures, RotatedSlots, SourceRotation, figures_against, latent_slots,
                                     nothing_rotates, rotating_pairs, source_rotation)
-from mlaconv.pipeline import SourceLayer
+from mlaconv.conversion.pipeline import SourceLayer
 
 
 @dataclass(frozen=True)

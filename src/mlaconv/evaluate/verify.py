@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from mlaconv.arch import SourceSpec
-from mlaconv.models import available_memory_bytes, load_causal_lm, load_tokenizer, parameter_bytes
+from mlaconv.source.spec import SourceSpec
+from mlaconv.io.models import available_memory_bytes, load_causal_lm, load_tokenizer, parameter_bytes
 from mlaconv.report.conversion import Verification
 
 
@@ -78,9 +78,9 @@ def verify(source: Path, converted: Path, spec: SourceSpec, windows: int = 4, wi
 
 def engine_figures(model, tokens: torch.Tensor, reference: torch.Tensor) -> dict:
     """Per engine: ``refused`` (why it would not run the checkpoint as transformers does), or ``same_as``
-    transformers with the ``reason``, or its own ``compare_logits`` figures as ``mlaconv.engines`` emulates it,
+    transformers with the ``reason``, or its own ``compare_logits`` figures as ``mlaconv.target.engines`` emulates it,
     with the ``differences`` that make them differ; ``shape_refused`` where the engine fails on the MLA shape."""
-    from mlaconv import engines
+    from mlaconv.target import engines
 
     reference_view = engines.model_view("transformers", model)
     figures: dict[str, dict] = {"transformers": {"computes": "the figures above"}}

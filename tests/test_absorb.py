@@ -13,15 +13,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import make_model
-from mlaconv.target.absorb import MANIFEST, absorb_attention, latent_norm_bound, norm_nonlinearity, write_absorbed
-from mlaconv.target.deepseek import MLAShape
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
-from mlaconv.mla.layer import MLAAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
-from mlaconv.runtime.attention import (absorbed_attention, expanded_attention, latent_rows, rope_cos_sin,
-                                       standard_latent_rows)
+from mlaconv.mla.layer import MLAAttention, MLAShape
+from mlaconv.mla.rope import rope_cos_sin
+from mlaconv.runtime.attention import absorbed_attention, expanded_attention, latent_rows, standard_latent_rows
+from mlaconv.target.absorb import MANIFEST, absorb_attention, latent_norm_bound, norm_nonlinearity, write_absorbed
 
 F64 = torch.float64
 

@@ -13,8 +13,9 @@ import torch
 from transformers import LlamaConfig, Phi3Config, SmolLM3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from mlaconv.source.spec import FAMILIES, REFUSED, SUPPORTED_TEXT, SourceSpec, family_for, rope_settings
 from mlaconv.errors import MlaconvError
+from mlaconv.source.families import FAMILIES, REFUSED, SUPPORTED_TEXT, family_for
+from mlaconv.source.spec import SourceSpec, rope_settings
 
 CONFIGS = Path(__file__).resolve().parent / "data" / "configs"
 BASE = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -66,7 +67,7 @@ def test_real_configs_normalise_to_their_published_shapes(name):
     s = SourceSpec.from_config(config)
     assert s.family.label == label
     assert (s.head_dim, s.rotary_dim, s.num_kv_heads) == (head_dim, rotary_dim, kv_heads)
-    assert s.kv_elements_per_token_per_layer == kv_elements
+    assert s.attention_shape.cache_elements == kv_elements
     assert (s.qkv_bias, s.o_bias, s.tie_word_embeddings, s.dtype) == (qkv_bias, False, tied, dtype)
     assert (s.hidden_size, s.num_layers, s.num_heads) == (config["hidden_size"], config["num_hidden_layers"],
                                                           config["num_attention_heads"])
@@ -149,7 +150,7 @@ def test_granite_reads_its_multipliers_and_refuses_bad_ones():
 def test_defaults_of_a_minimal_config():
     s = spec()
     assert (s.head_dim, s.rotary_dim, s.num_kv_heads) == (16, 16, 2)  # 64 / 4 heads
-    assert s.kv_elements_per_token_per_layer == 2 * 2 * 16
+    assert s.attention_shape.cache_elements == 2 * 2 * 16
     assert (s.rms_norm_eps, s.rope_theta, s.rope_scaling, s.max_position_embeddings) == (1e-6, 10000.0, None, 2048)
     assert (s.dtype, s.tie_word_embeddings, s.qkv_bias, s.o_bias) == (torch.float32, False, False, False)
     assert s.rope_layers == (True, True, True)
@@ -158,7 +159,7 @@ def test_defaults_of_a_minimal_config():
 def test_explicit_head_dim_and_mha_default():
     s = spec(head_dim=24, num_key_value_heads=None)  # no KV head count: MHA
     assert (s.head_dim, s.num_kv_heads) == (24, 4)
-    assert s.kv_elements_per_token_per_layer == 2 * 4 * 24
+    assert s.attention_shape.cache_elements == 2 * 4 * 24
 
 
 @pytest.mark.parametrize("model_type, attention_bias, expected", [

@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from mlaconv.conversion.plan import load_source, plan_shapes
-from mlaconv.mla.layer import AttentionShape
+from mlaconv.conversion.plan import plan_shapes
 from mlaconv.io.models import load_causal_lm
+from mlaconv.mla.layer import AttentionShape
+from mlaconv.source.spec import load_source
 
 from bench.baselines.methods import augmented, convert_joint_svd, convert_transmla, rorope_basis  # noqa: E402
 

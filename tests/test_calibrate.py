@@ -11,20 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlaconv.source.spec import SourceSpec
 from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
 from mlaconv.calibration.windows import load_calibration_tokens
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
-from mlaconv.conversion.pipeline import read_attention
-from mlaconv.source.families import FINAL_NORM, LM_HEAD
 from mlaconv.io import CheckpointReader, read_config
+from mlaconv.io.models import load_causal_lm
 from mlaconv.mla import latent
 from mlaconv.mla.attention import analyse_layer, convert_attention
+from mlaconv.mla.forward import rms_norm
 from mlaconv.mla.layer import AttentionShape, LayerOptions
 from mlaconv.mla.refine import refine
-from mlaconv.io.models import load_causal_lm
-from mlaconv.mla.forward import rms_norm
+from mlaconv.source.names import FINAL_NORM, LM_HEAD
+from mlaconv.source.spec import SourceSpec
+from mlaconv.source.weights import SourceWeights
 
 
 def write_tokens(path: Path, tokens: torch.Tensor) -> Path:
@@ -47,7 +47,7 @@ def test_streamed_source_forward_matches_transformers(tiny_model):
     tokens = random_tokens(3, 20, spec.vocab_size, seed=2)
     streamer = SourceStreamer(reader, spec, CalibrationOptions(tokens, batch_size=2))
     for i in range(spec.num_layers):
-        attention = read_attention(reader, spec, i)
+        attention = SourceWeights(reader, spec).attention(i)
         streamer.stats(i, attention)
         streamer.advance(i, attention)
     final = rms_norm(streamer.hidden, reader.get(FINAL_NORM), spec.rms_norm_eps)
@@ -72,7 +72,7 @@ def test_the_streamed_forward_reuses_the_source_outputs_a_layer_already_computed
     monkeypatch.setattr(calibrate, "source_attention", lambda x, *a: computed.append(x.shape[0]) or attention_of(x, *a))
     fit = reusing.split.fit
     for i in range(spec.num_layers):
-        attention = read_attention(reader, spec, i)
+        attention = SourceWeights(reader, spec).attention(i)
         reusing.refinement_data(i, attention, len(fit) - 1)  # every fit window but the last, and the select windows
         reusing.held_pairs(i, attention, "audit")
         computed.clear()
@@ -90,7 +90,7 @@ def test_energy_retained_equals_measured_calibration_error(tiny_model):
     spec, reader = open_source(src)
     tokens = random_tokens(8, 32, spec.vocab_size, seed=3)
     streamer = SourceStreamer(reader, spec, CalibrationOptions(tokens))
-    attention = read_attention(reader, spec, 0)
+    attention = SourceWeights(reader, spec).attention(0)
     stats = streamer.stats(0, attention)
     fit = list(streamer.split.fit)
     x = rms_norm(streamer.hidden[fit], attention.input_norm, spec.rms_norm_eps).flatten(0, 1).double()  # [T, H]
@@ -116,7 +116,7 @@ def test_attention_weighted_latent_is_optimal_in_its_own_metric(tiny_model):
     src = tiny_model(kv_heads=2, head_dim=16, hidden=64)
     spec, reader = open_source(src)
     streamer = SourceStreamer(reader, spec, CalibrationOptions(random_tokens(8, 32, spec.vocab_size, seed=8)))
-    attention = read_attention(reader, spec, 0)
+    attention = SourceWeights(reader, spec).attention(0)
     stats = streamer.stats(0, attention)
     shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     balanced_options = LayerOptions(rank=1, rope_dim=8, rope_theta=spec.rope_theta, rope_stride=1)
@@ -275,7 +275,7 @@ def test_measured_attention_error_is_zero_for_an_exact_conversion(tiny_model, tm
     slots = torch.arange(8, dtype=torch.float64)  # any slot frequencies: the same ones for both calls
     fresh = SourceStreamer(reader, spec, CalibrationOptions(random_tokens(6, 24, 96, seed=9)))
     for i in range(spec.num_layers):
-        attention = read_attention(reader, spec, i)
+        attention = SourceWeights(reader, spec).attention(i)
         mla, _ = convert_attention(attention, shape, options)
         first = streamer.attention_error(i, attention, mla, 4, 16, slots, 1.0)
         assert streamer.attention_error(i, attention, mla, 4, 16, slots, 1.0) == first

@@ -10,19 +10,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlaconv.source.spec import SourceSpec
 from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
 from mlaconv.calibration.windows import split_windows
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
-from mlaconv.conversion.pipeline import read_attention
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, read_config
+from mlaconv.io.models import load_causal_lm
 from mlaconv.mla.attention import convert_attention
+from mlaconv.mla.forward import rms_norm
 from mlaconv.mla.layer import AttentionShape, LayerOptions
 from mlaconv.mla.refine import refine
-from mlaconv.io.models import load_causal_lm
-from mlaconv.mla.forward import rms_norm
+from mlaconv.source.spec import SourceSpec
+from mlaconv.source.weights import SourceWeights
 
 
 def write_tokens(path: Path, tokens: torch.Tensor) -> Path:
@@ -80,7 +80,7 @@ def test_fit_statistics_see_only_fit_windows(tiny_model):
     options = LayerOptions(rank=6, rope_dim=8, rope_theta=spec.rope_theta, rope_stride=1)
     slots = torch.arange(4, dtype=torch.float64)
     for i in range(spec.num_layers):
-        attention = read_attention(reader, spec, i)
+        attention = SourceWeights(reader, spec).attention(i)
         stats = {name: s.stats(i, attention) for name, s in streamers.items()}
         for name in changed:
             assert torch.equal(stats[name].metric, stats["base"].metric)

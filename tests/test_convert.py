@@ -35,7 +35,7 @@ def rel_err(a, b):
 def check_by_hand(src, out, report, drop_biases: bool = False) -> dict:
     """The built-in check's KL and top-1 recomputed here: transformers' own models on the check's tokens,
     KL(source ‖ converted) and top-1 agreement in plain PyTorch (``drop_biases``: as vLLM/SGLang run it)."""
-    from mlaconv.conversion.plan import load_source
+    from mlaconv.source.spec import load_source
     from mlaconv.evaluate.verify import verification_tokens
 
     check = report.verify

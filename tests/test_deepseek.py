@@ -9,17 +9,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mlaconv.target import deepseek
-from mlaconv.source.spec import SourceSpec
 from mlaconv.io import CheckpointReader
-from mlaconv.mla.layer import MLAAttention
+from mlaconv.mla.layer import MLAAttention, MLAShape
+from mlaconv.source import names
+from mlaconv.source.spec import SourceSpec
+from mlaconv.target import deepseek
 
 # H = 64, N = 4, d = 16, L = 2 converted at r = 24, R = 8
 SOURCE = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
           "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 512,
           "bos_token_id": 1, "eos_token_id": 2}
 H, N, d, r, R = 64, 4, 16, 24, 8
-SHAPES = {deepseek.INPUT_NORM: (H,), deepseek.Q_PROJ: (N * (d + R), H), deepseek.KV_A_PROJ: (r + R, H),
+SHAPES = {names.INPUT_NORM: (H,), deepseek.Q_PROJ: (N * (d + R), H), deepseek.KV_A_PROJ: (r + R, H),
           deepseek.KV_A_NORM: (r,), deepseek.KV_B_PROJ: (N * 2 * d, r), deepseek.O_PROJ: (H, N * d),
           deepseek.KV_A_BIAS: (r + R,), deepseek.O_BIAS: (H,)}
 
@@ -54,14 +55,14 @@ def test_transformers_builds_exactly_the_tensors_attention_tensors_writes(tmp_pa
 
     (tmp_path / "config.json").write_text(json.dumps(config()))
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
-    prefix = deepseek.layer_prefix(1)
+    prefix = names.layer_prefix(1)
     built = {name[len(prefix):]: tuple(p.shape) for name, p in model.state_dict().items()
-             if name.startswith(prefix) and ("self_attn." in name or name.endswith(deepseek.INPUT_NORM))}
+             if name.startswith(prefix) and ("self_attn." in name or name.endswith(names.INPUT_NORM))}
     assert built == SHAPES
     written = deepseek.attention_tensors(layer(torch.Generator().manual_seed(0), biases=True), biases=True)
     assert {name: tuple(t.shape) for name, t in written.items()} == SHAPES
-    for name in (deepseek.EMBED, deepseek.FINAL_NORM, deepseek.LM_HEAD, prefix + deepseek.GATE_PROJ,
-                 prefix + deepseek.UP_PROJ, prefix + deepseek.DOWN_PROJ, prefix + deepseek.POST_ATTENTION_NORM):
+    for name in (names.EMBED, names.FINAL_NORM, names.LM_HEAD, prefix + names.GATE,
+                 prefix + names.UP, prefix + names.DOWN, prefix + names.POST_ATTENTION_NORM):
         assert name in model.state_dict()
 
 
@@ -76,7 +77,7 @@ def test_the_bias_tensors_are_zeros_where_the_layer_has_none():
 @pytest.mark.parametrize("biases", [True, False])
 def test_a_written_layer_reads_back_unchanged(tmp_path, biases):
     original = layer(torch.Generator().manual_seed(2), biases)
-    prefix = deepseek.layer_prefix(3)
+    prefix = names.layer_prefix(3)
     tensors = {prefix + name: t for name, t in deepseek.attention_tensors(original, biases=biases).items()}
     save_file(tensors, tmp_path / "model.safetensors")
     read = deepseek.read_attention(CheckpointReader(tmp_path), 3)
@@ -85,7 +86,7 @@ def test_a_written_layer_reads_back_unchanged(tmp_path, biases):
 
 
 def test_the_mla_shape_of_a_config_by_hand():
-    shape = deepseek.MLAShape.from_config(config())
+    shape = MLAShape.from_config(config())
     assert vars(shape) == {"hidden": 64, "heads": 4, "rank": 24, "rope_dim": 8, "nope_dim": 16, "v_dim": 16}
     assert shape.cache_elements == 32  # r + R
     assert shape.softmax_scale == pytest.approx(24 ** -0.5)  # (P + R)^-½

@@ -14,8 +14,8 @@ import mlaconv.evaluate.perplexity as evaluate_module
 from mlaconv.cli import app
 from mlaconv.errors import MlaconvError
 from mlaconv.evaluate.perplexity import evaluate_perplexity
-from mlaconv.io.text import TokenSource, cut_windows, load_eval_tokens
 from mlaconv.io.models import load_causal_lm
+from mlaconv.io.text import TokenSource, cut_windows, load_eval_tokens
 from test_report_schema import check
 
 VOCAB = 96

@@ -13,16 +13,17 @@ import pytest
 import torch
 import transformers as hf
 
-from mlaconv.source.spec import SourceSpec
 from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
-from mlaconv.conversion.pipeline import read_attention
 from mlaconv.errors import MlaconvError
-from mlaconv.source.families import DOWN, EMBED, FINAL_NORM, GATE, LM_HEAD, Family, SourceWeights
 from mlaconv.io import CheckpointReader, read_config
 from mlaconv.io.models import load_causal_lm
 from mlaconv.mla.forward import rms_norm
+from mlaconv.source.families import Family
+from mlaconv.source.names import DOWN, EMBED, FINAL_NORM, GATE, LM_HEAD
+from mlaconv.source.spec import SourceSpec
+from mlaconv.source.weights import SourceWeights
 
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -132,7 +133,7 @@ def test_streamed_source_forward_matches_transformers(name, length, sources):
     tokens = torch.randint(0, VOCAB, (3, length), generator=torch.Generator().manual_seed(3))
     streamer = SourceStreamer(reader, spec, CalibrationOptions(tokens, batch_size=2))
     for i in range(spec.num_layers):
-        attention = read_attention(reader, spec, i)
+        attention = SourceWeights(reader, spec).attention(i)
         streamer.stats(i, attention)
         streamer.advance(i, attention)
     weights = SourceWeights(reader, spec)

@@ -11,14 +11,14 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
+from mlaconv.calibration.windows import CalibrationData
 from mlaconv.cli import app
+from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.heal import HealOptions, heal
 from mlaconv.heal import run as heal_run
 from mlaconv.mla.latent_norm import latent_bound
-from mlaconv.conversion.options import ConvertOptions
-from mlaconv.conversion.plan import CalibrationData
 
 from conftest import hashes, leftovers
 

@@ -10,10 +10,10 @@ import yaml
 from mlaconv.conversion.options import ConvertOptions
 
 from mlaconv.conversion.run import convert
-from mlaconv.target.model_card import render_model_card, write_model_card
 from mlaconv.report import EvalReport
 from mlaconv.report.conversion import Agreement, Calibration, LayerFigures, Verification, WholeModel
 from mlaconv.report.record import Failure, WindowSets
+from mlaconv.target.model_card import render_model_card, write_model_card
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 import yaml
 
 from mlaconv.cli import app
-from mlaconv.errors import MlaconvError
 from mlaconv.conversion.options import ConvertOptions, flags, load_recipe, recipe_types
+from mlaconv.errors import MlaconvError
 from mlaconv.inspect.spectra import SpectraOptions
 
 # Options only the Python API sets (tests, the bench, the library's own callers).

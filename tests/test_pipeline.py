@@ -6,13 +6,15 @@ import pytest
 import torch
 
 from conftest import STORIES
-from mlaconv.target import deepseek
 from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.pipeline import source_layers
 from mlaconv.conversion.run import convert
 from mlaconv.io import CheckpointReader, read_config
-from mlaconv.conversion.options import ConvertOptions
-from mlaconv.conversion.pipeline import CheckpointLayer, checkpoint_layers, read_attention, source_layers
-from mlaconv.conversion.plan import load_source
+from mlaconv.source.spec import load_source
+from mlaconv.source.weights import SourceWeights
+from mlaconv.target import deepseek
+from mlaconv.target.deepseek import CheckpointLayer, checkpoint_layers
 
 
 class RecordingStreamer(SourceStreamer):
@@ -31,7 +33,7 @@ def test_source_layers_are_every_layer_in_order_read_on_use():
     assert [layer.index for layer in layers] == list(range(spec.num_layers))
     assert all(layer._attention is None for layer in layers)
     for layer in layers:
-        expected = read_attention(reader, spec, layer.index)
+        expected = SourceWeights(reader, spec).attention(layer.index)
         assert torch.equal(layer.attention.q, expected.q) and torch.equal(layer.attention.o, expected.o)
     with pytest.raises(RuntimeError, match="not calibrated"):
         layers[0].stats

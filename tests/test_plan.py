@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mlaconv.source.spec import SourceSpec
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.plan import (ShapeChoice, estimate_output_bytes, factor_precision, kv_budget, kv_cache_figures,
+                                     model_full_rank, output_config, output_dtype, plan_conversion, plan_shapes,
+                                     residual_scale, shape_candidates)
 from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
-from mlaconv.conversion.options import ConvertOptions
-from mlaconv.conversion.plan import (ShapeChoice, estimate_output_bytes, factor_precision, kv_budget, kv_cache_figures, load_source,
-                          model_full_rank, output_config, output_dtype, plan_conversion, plan_shapes, residual_scale,
-                          shape_candidates)
+from mlaconv.source.spec import SourceSpec, load_source
 
 # H = 64, N = 4, n_kv = 2, d = 16, L = 2: the source caches 2·n_kv·d = 64 values per token and layer
 SMALL = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,

@@ -22,10 +22,10 @@ from transformers import AutoModelForCausalLM
 from mlaconv.conversion.options import ConvertOptions
 
 from mlaconv.conversion.run import convert
+from mlaconv.evaluate.verify import compare_logits
+from mlaconv.io.models import load_causal_lm
 from mlaconv.mla import attention
 from mlaconv.mla.latent_norm import MAX_ENTRY
-from mlaconv.io.models import load_causal_lm
-from mlaconv.evaluate.verify import compare_logits
 
 QK_K = 256
 

@@ -10,13 +10,11 @@ import pytest
 import torch
 
 from conftest import ROOT
-from mlaconv.source.spec import SourceSpec
-from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.options import ConvertOptions, load_recipe, merge_options
+from mlaconv.conversion.plan import check_recipe, kv_cache_figures, plan_shapes, shape_candidates
 from mlaconv.conversion.run import convert
-from mlaconv.conversion.plan import plan_shapes, shape_candidates
 from mlaconv.errors import MlaconvError
-from mlaconv.conversion.plan import check_recipe, kv_cache_figures
-from mlaconv.conversion.options import load_recipe, merge_options
+from mlaconv.source.spec import SourceSpec
 from mlaconv.target.serving import kernel_fit
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -66,8 +64,8 @@ def test_shipped_recipe_fits_its_model_and_tells_the_truth(path):
     fit = kernel_fit({"kv_lora_rank": shapes.rank, "qk_rope_head_dim": shapes.rope_dim,
                       "qk_nope_head_dim": spec.head_dim, "v_head_dim": spec.head_dim})
     assert ("fits FlashMLA" in path.read_text()) == fit["flashmla"]
-    assert shapes.rank + shapes.rope_dim < spec.kv_elements_per_token_per_layer  # a real compression
-    assert fit["flashmla"] or spec.kv_elements_per_token_per_layer <= 576  # prefer 512 + 64 where it compresses
+    assert shapes.rank + shapes.rope_dim < spec.attention_shape.cache_elements  # a real compression
+    assert fit["flashmla"] or spec.attention_shape.cache_elements <= 576  # prefer 512 + 64 where it compresses
 
 
 def test_configs_have_the_published_shapes():
@@ -124,10 +122,10 @@ def test_mha_configs_keep_one_shared_rope_key_for_every_head(name, layers, hidde
     spec = spec_for(name)
     assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (
         layers, hidden, heads, heads, head_dim)
-    assert spec.kv_elements_per_token_per_layer == 2 * heads * head_dim
+    assert spec.attention_shape.cache_elements == 2 * heads * head_dim
     shapes = check_recipe(load_recipe(ROOT / "recipes" / f"{name}.yaml"), spec)
     assert (shapes.rank, shapes.rope_dim) == (512, 64)
-    assert (shapes.rank + shapes.rope_dim) / spec.kv_elements_per_token_per_layer == pytest.approx(576 / (2 * heads * head_dim))
+    assert (shapes.rank + shapes.rope_dim) / spec.attention_shape.cache_elements == pytest.approx(576 / (2 * heads * head_dim))
     half = plan_shapes(spec, None, 0.5, None)  # --kv-keep 0.5: R = 64 by default, the latent gets the rest
     assert (half.rank, half.rope_dim) == (heads * head_dim - 64, 64)
     candidates = shape_candidates(spec, 0.5)  # what the calibrated split search compares

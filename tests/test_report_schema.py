@@ -120,7 +120,7 @@ def test_reports_read_back_from_json_as_they_were(reports, tmp_path):
 
 def test_heal_report_keys_are_documented(reports, tmp_path):
     from mlaconv.heal import HealOptions, heal
-    from mlaconv.conversion.plan import CalibrationData
+    from mlaconv.calibration.windows import CalibrationData
 
     converted, _ = reports
     ids = write_ids(tmp_path / "ids.jsonl", 24, 24, 96, seed=4)

@@ -13,9 +13,9 @@ import torch
 import mlaconv.evaluate.retrieval as retrieval
 from conftest import make_model
 from mlaconv.errors import MlaconvError
+from mlaconv.evaluate.retrieval import (FILLER, INSTRUCTION, NEEDLE, NEW_TOKENS, QUESTION, answer_is_right,
+                                        evaluate_retrieval, passkey_prompts, passkey_text)
 from mlaconv.report import RetrievalReport
-from mlaconv.evaluate.retrieval import (FILLER, INSTRUCTION, NEEDLE, NEW_TOKENS, QUESTION, answer_is_right, evaluate_retrieval,
-                               passkey_prompts, passkey_text)
 from test_report_schema import check
 
 VOCAB = 192

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from mlaconv.conversion.calibrated import calibrate_layer, calibration_streamer, calibration_tokens, refinement_plan
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.pipeline import source_layers
+from mlaconv.conversion.plan import plan_conversion, with_rope_stride
 from mlaconv.mla import metric, rope
 from mlaconv.mla.attention import analyse_layer, factor_attention
 from mlaconv.mla.layer import AttentionShape, LayerOptions, LayerStats, SourceAttention
 from mlaconv.mla.shared_key import RotatedSlots, closed_form_slots, latent_slots, rotary_figures
-from mlaconv.conversion.options import ConvertOptions
-from mlaconv.conversion.pipeline import source_layers
-from mlaconv.conversion.plan import plan_conversion, with_rope_stride
 
 
 def rotate(pair: torch.Tensor, angle: float) -> torch.Tensor:

@@ -12,16 +12,17 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT
-from mlaconv.conversion.calibrated import calibrated_layer_options
 from mlaconv.cli.inspect import spectra as spectra_command
+from mlaconv.conversion.calibrated import calibrated_layer_options
+from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.plan import layer_options, plan_shapes
 from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
+from mlaconv.inspect.spectra import SpectraOptions, default_ranks, rank_for_energy, spectra, write_csv
 from mlaconv.mla.attention import analyse_layer, convert_attention
 from mlaconv.mla.layer import LayerStats
-from mlaconv.conversion.options import ConvertOptions
-from mlaconv.conversion.pipeline import read_attention
-from mlaconv.conversion.plan import layer_options, load_source, plan_shapes
-from mlaconv.inspect.spectra import SpectraOptions, default_ranks, rank_for_energy, spectra, write_csv
+from mlaconv.source.spec import load_source
+from mlaconv.source.weights import SourceWeights
 from spectra_schema import LAYER_KEYS, RECOMMENDATION_KEYS, SUMMARY_KEYS, TOP_KEYS, check_schema
 
 
@@ -206,7 +207,7 @@ def test_calibration_hook_is_applied_as_in_convert(tiny_model):
     shape = spec.attention_shape
     expected = []
     for i in range(2):
-        attention = read_attention(reader, spec, i)
+        attention = SourceWeights(reader, spec).attention(i)
         expected.append(convert_attention(attention, shape, lopts, stats_for_layer(i, attention))[1].energy_retained)
     energy = [layer.energy_retained[0] for layer in calibrated.layers]
     assert energy == pytest.approx(expected, abs=1e-12, rel=0)

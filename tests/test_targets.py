@@ -21,8 +21,8 @@ from mlaconv.cli import app
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
-from mlaconv.mla import rope
 from mlaconv.io.models import load_causal_lm
+from mlaconv.mla import rope
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}

@@ -7,8 +7,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from mlaconv.evaluate import verdict as verdicts
 from mlaconv.cli import app
+from mlaconv.evaluate import verdict as verdicts
 from mlaconv.report import EvalReport
 from mlaconv.report.conversion import Verification
 from mlaconv.report.record import Failure

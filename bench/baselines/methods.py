@@ -57,10 +57,10 @@ from typing import Callable
 import torch
 
 from bench.baselines.plumbing import Baseline, Factorization, plan_baseline, read_layers, write_baseline
+from mlaconv.conversion.plan import ShapeChoice
+from mlaconv.io.models import load_causal_lm
 from mlaconv.mla import rope
 from mlaconv.mla.layer import AttentionShape, SourceAttention
-from mlaconv.io.models import load_causal_lm
-from mlaconv.conversion.plan import ShapeChoice
 
 PCA_DAMPING = 0.01  # TransMLA's pca_calc: + 0.01·mean(diag) on the diagonal
 

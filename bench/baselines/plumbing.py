@@ -14,20 +14,20 @@ from typing import Callable
 
 import torch
 
-from mlaconv.io import models
-from mlaconv.source.spec import SourceSpec
 from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
-from mlaconv.conversion.run import write_tensors
-from mlaconv.io import ShardedWriter, atomic_output_dir
-from mlaconv.target.layout import LayerWriter, copy_tokenizer
-from mlaconv.mla.attention import scale_input
-from mlaconv.mla.layer import AttentionShape, LayerReport, MLAAttention, SourceAttention
-from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
 from mlaconv.conversion.pipeline import SourceLayer, source_layers
-from mlaconv.conversion.plan import ShapeChoice, load_source, output_config, plan_shapes, residual_scale
+from mlaconv.conversion.plan import ShapeChoice, output_config, plan_shapes, residual_scale
+from mlaconv.conversion.run import write_tensors
+from mlaconv.devices import DTYPES
+from mlaconv.io import ShardedWriter, atomic_output_dir
+from mlaconv.mla.attention import scale_input
+from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
+from mlaconv.mla.layer import AttentionShape, LayerReport, MLAAttention, SourceAttention
 from mlaconv.progress import Progress
+from mlaconv.source.spec import SourceSpec, load_source
+from mlaconv.target.layout import LayerWriter, copy_tokenizer
 
-DTYPES = {name: models.DTYPES[name] for name in ("float32", "bfloat16")}
+WRITTEN_DTYPES = {name: DTYPES[name] for name in ("float32", "bfloat16")}  # the dtypes a baseline writes
 
 
 @dataclass
@@ -113,17 +113,17 @@ def write_baseline(method: str, source: str | Path, out: str | Path, step: Basel
     attention_bias = bool(spec.qkv_bias or spec.o_bias)
     with atomic_output_dir(Path(out), force=True) as tmp:
         with ShardedWriter(tmp) as writer:
-            output = LayerWriter(writer, reader, spec, residual_scale(spec), DTYPES[dtype], attention_bias,
+            output = LayerWriter(writer, reader, spec, residual_scale(spec), WRITTEN_DTYPES[dtype], attention_bias,
                                  tmp / ".pending")
             write_tensors(output, source_layers(reader, spec), step)
             writer.finish()
         reader.close()
-        config, _ = output_config(spec, shapes, stride, "transformers", attention_bias, DTYPES[dtype])
+        config, _ = output_config(spec, shapes, stride, "transformers", attention_bias, WRITTEN_DTYPES[dtype])
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copy_tokenizer(folder, tmp)
         report = {
             "method": method, "source": str(folder), "kv_lora_rank": shapes.rank, "qk_rope_head_dim": shapes.rope_dim,
-            "kv_keep": shapes.cache_elements / spec.kv_elements_per_token_per_layer, "rope_stride": stride,
+            "kv_keep": shapes.cache_elements / spec.attention_shape.cache_elements, "rope_stride": stride,
             "dropped_bias": sorted(step.dropped), **extra, "seconds": round(time.perf_counter() - started, 2),
         }
         (tmp / "baseline.json").write_text(json.dumps(report, indent=2) + "\n")

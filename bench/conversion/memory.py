@@ -37,7 +37,7 @@ from pathlib import Path
 
 from bench.conversion.io_floor import shard_data_bytes  # no torch imported: this driver stays small
 from bench.lib import REPO, WORK
-from mlaconv.report import ConversionReport  # no torch: the report types are plain dataclasses
+from mlaconv.report import ConversionReport
 GB = 10**9
 PROFILE_SCORES = 2**25  # mlaconv.mla.forward.attention_by_distance's max_scores
 

@@ -44,10 +44,10 @@ import torch
 from mlaconv.calibration import streamer as calibrate
 from mlaconv.conversion import calibrated
 from mlaconv.conversion import plan as plan_module
-from mlaconv.evaluate import verify as verify_module
-from mlaconv.conversion.run import convert
-from mlaconv.target.layout import LayerWriter
 from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.run import convert
+from mlaconv.evaluate import verify as verify_module
+from mlaconv.target.layout import LayerWriter
 
 
 class Timer:

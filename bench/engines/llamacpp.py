@@ -41,12 +41,12 @@ import torch
 
 from bench.lib import REPO as ROOT
 from bench.lib import WORK
+from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
-from mlaconv.target.gguf import export_gguf
-from mlaconv.io.reader import CheckpointReader, read_config
 from mlaconv.evaluate.llamacpp import capture_log, kv_cache_mib, nll_sum, perplexity, quantize
 from mlaconv.io.models import load_causal_lm
-from mlaconv.conversion.options import ConvertOptions
+from mlaconv.io.reader import CheckpointReader, read_config
+from mlaconv.target.gguf import export_gguf
 
 STORIES = ROOT / "examples" / "stories260K"
 

@@ -38,8 +38,8 @@ from bench.lib import REPO, WORK
 from bench.lib.eval import CALIB_WINDOWS, WINDOW, calibration_file, calibration_ids, eval_source, fidelity
 from bench.lib.results import markdown_table, write_result
 from mlaconv.conversion import calibrated
-from mlaconv.conversion.run import convert
 from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.mla.refine import CHECK_EVERY, REFINE_BATCH
 

@@ -17,9 +17,9 @@ import torch
 
 from bench.lib import WORK
 from mlaconv.calibration.windows import load_calibration_tokens
-from mlaconv.conversion.plan import load_source
 from mlaconv.evaluate.perplexity import evaluate_perplexity
 from mlaconv.io.text import TokenSource
+from mlaconv.source.spec import load_source
 
 WINDOW = 256
 CALIB_WINDOWS = 64

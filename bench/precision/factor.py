@@ -19,8 +19,9 @@ import torch
 
 from mlaconv.mla import rope
 from mlaconv.mla.attention import convert_attention
+from mlaconv.mla.forward import mla_attention, rms_norm
 from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
-from mlaconv.mla.forward import mla_attention, rms_norm, rope_angles
+from mlaconv.mla.rope import rope_angles
 
 THETA = 500000.0
 

@@ -38,9 +38,10 @@ from bench.lib import WORK
 from bench.lib.eval import calibration_ids
 from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
 from mlaconv.conversion.pipeline import source_layers
-from mlaconv.conversion.plan import load_source
+from mlaconv.mla.forward import query_key, rms_norm, source_attention
 from mlaconv.mla.qk_norm import linear_fit
-from mlaconv.mla.forward import query_key, rms_norm, rotate_half_pairs, source_attention
+from mlaconv.mla.rope import rotate_half_pairs
+from mlaconv.source.spec import load_source
 
 
 def relative(approx: torch.Tensor, exact: torch.Tensor) -> float:

@@ -24,9 +24,9 @@ from pathlib import Path  # noqa: E402
 
 from bench.lib.results import commit, machine  # noqa: E402
 from bench.real.build import DEFAULT_OUT as SOURCE  # noqa: E402
+from mlaconv.evaluate.retrieval import evaluate_retrieval  # noqa: E402
 from mlaconv.io.text import token_counts  # noqa: E402
 from mlaconv.progress import LineProgress  # noqa: E402
-from mlaconv.evaluate.retrieval import evaluate_retrieval  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"

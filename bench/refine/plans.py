@@ -19,12 +19,12 @@ from functools import partial
 
 from bench.lib import REPO as ROOT
 from bench.lib.results import write_result
-from mlaconv.conversion import calibrated
-from mlaconv.source.spec import SourceSpec
 from mlaconv.calibration.windows import split_windows
-from mlaconv.mla.refine import refinement_flops
+from mlaconv.conversion import calibrated
 from mlaconv.conversion.options import load_recipe
 from mlaconv.conversion.plan import Plan, check_recipe
+from mlaconv.mla.refine import refinement_flops
+from mlaconv.source.spec import SourceSpec
 
 BEFORE = dict(steps=75, batch=4, check_every=10)  # the default plan before the error was taken at a share of positions
 

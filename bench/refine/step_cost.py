@@ -19,8 +19,7 @@ import time
 import torch
 
 from mlaconv.conversion.calibrated import CPU_FLOPS, step_queries
-from mlaconv.mla.attention import LatentAttention
-from mlaconv.mla.layer import AttentionShape
+from mlaconv.mla.layer import AttentionShape, LatentAttention
 from mlaconv.mla.refine import REFINE_BATCH, refine, refinement_flops
 
 

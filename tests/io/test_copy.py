@@ -16,8 +16,8 @@ from mlaconv.conversion import run as conversion
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, ShardedWriter
 from mlaconv.io import writer as writer_module
-from mlaconv.target.layout import LayerWriter, scaled
 from mlaconv.io.reader import read_safetensors_header
+from mlaconv.target.layout import LayerWriter, scaled
 
 
 def _source(folder) -> dict[str, torch.Tensor]:

@@ -24,9 +24,9 @@ from mlaconv.cli import app
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
-from mlaconv.target.gguf import export_gguf
 from mlaconv.evaluate.llamacpp import nll_sum, open_engine
 from mlaconv.io.models import load_causal_lm
+from mlaconv.target.gguf import export_gguf
 
 from conftest import STORIES, make_model
 

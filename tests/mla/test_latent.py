@@ -140,7 +140,8 @@ def test_the_input_scale_leaves_the_attention_unchanged():
     from mlaconv.mla.attention import convert_attention
 
     from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
-    from mlaconv.mla.forward import mla_attention, rope_angles
+    from mlaconv.mla.forward import mla_attention
+    from mlaconv.mla.rope import rope_angles
 
     g = torch.Generator().manual_seed(2)
     H, N, G, d, R, r = 32, 4, 2, 8, 4, 12

@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers as hf
 
+from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
 from mlaconv.mla.attention import latent_errors
-from mlaconv.conversion.options import ConvertOptions
 
 H, D, R = 32, 8, 6
 

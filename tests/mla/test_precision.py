@@ -9,8 +9,9 @@ import torch
 from mlaconv.conversion.plan import factor_precision
 from mlaconv.mla import rope
 from mlaconv.mla.attention import convert_attention
+from mlaconv.mla.forward import mla_attention, rms_norm
 from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
-from mlaconv.mla.forward import mla_attention, rms_norm, rope_angles
+from mlaconv.mla.rope import rope_angles
 
 SHAPE = AttentionShape(hidden=256, heads=8, kv_heads=2, head_dim=32)
 OPTIONS = LayerOptions(rank=48, rope_dim=16, rope_theta=10000.0)

@@ -12,16 +12,16 @@ import torch
 import transformers as hf
 from typer.testing import CliRunner
 
-from mlaconv.source.spec import SourceSpec
 from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
 from mlaconv.cli import app
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
-from mlaconv.conversion.pipeline import read_attention
-from mlaconv.source.families import FINAL_NORM, LM_HEAD
 from mlaconv.io import CheckpointReader, read_config
 from mlaconv.io.models import load_causal_lm
 from mlaconv.mla.forward import rms_norm
+from mlaconv.source.names import FINAL_NORM, LM_HEAD
+from mlaconv.source.spec import SourceSpec
+from mlaconv.source.weights import SourceWeights
 
 VOCAB = 96
 
@@ -51,7 +51,7 @@ def test_streamed_source_forward_matches_transformers(tiny_model, length):
     ids = tokens(3, length, seed=3)
     streamer = SourceStreamer(reader, spec, CalibrationOptions(ids, batch_size=2))
     for i in range(spec.num_layers):
-        attention = read_attention(reader, spec, i)
+        attention = SourceWeights(reader, spec).attention(i)
         assert attention.q_norm.shape == attention.k_norm.shape == (16,)
         streamer.stats(i, attention)
         streamer.advance(i, attention)
@@ -83,7 +83,7 @@ def test_stand_in_is_the_least_squares_fit_of_transformers_normalised_heads(tiny
 
     streamer = SourceStreamer(reader, spec, CalibrationOptions(ids, batch_size=4))
     for i in range(spec.num_layers):
-        attention = read_attention(reader, spec, i)
+        attention = SourceWeights(reader, spec).attention(i)
         stats = streamer.stats(i, attention)
         linear = streamer.stand_in(i, attention, stats)
         assert linear.q_norm is None and linear.k_norm is None

@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mlaconv.mla.attention import LatentAttention
+from mlaconv.mla.layer import LatentAttention
 
+from mlaconv.mla.forward import rms_norm
 from mlaconv.mla.layer import AttentionShape
 from mlaconv.mla.refine import NormalizedWindows, latent_attention, refine, refinement_flops
-from mlaconv.mla.forward import rms_norm
 
 SHAPE = AttentionShape(hidden=32, heads=4, kv_heads=2, head_dim=8)
 R, RANK = 4, 8

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from conftest import STORIES, make_model
-from mlaconv.target.absorb import write_absorbed
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.io.models import load_causal_lm
 from mlaconv.runtime import LatentDecoder, generate
+from mlaconv.target.absorb import write_absorbed
 
 # fp32: max |Δlogit| / max |logit| over prefill and decode. The absorbed form is exact algebra; what
 # remains is float32 rounding in a different order (~1e-6) and the linearised kv_a_layernorm (≤ 5e-6

@@ -3,7 +3,8 @@
 The closed form's construction reports what its shared key keeps in the fit windows' statistics, and a refinement
 moves q_rope and k_rope after that. Here the same figures are taken, for any version of the layer, in the audit
 windows' E[x xᵀ] and attention profile μ, which no fit or choice saw: the closed form and its refinement are
-measured alike, and ``inspect spectra`` and ``convert`` report the same figure for the same layer.
+measured alike, and ``inspect spectra`` and ``convert`` report the same figure for the same layer. A layer of the
+source pass builds its own (``conversion.pipeline.SourceLayer.rotary_audit``).
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ from functools import cached_property
 
 import torch
 
-from mlaconv.mla.attention import LatentAttention
-from mlaconv.mla.layer import AttentionShape, LayerOptions, SourceAttention
+from mlaconv.mla.layer import AttentionShape, LatentAttention, SourceAttention
 from mlaconv.mla.rope import kept_frequencies
 from mlaconv.mla.shared_key import (RotaryFigures, RotatedSlots, SourceRotation, figures_against, latent_slots,
-                                    nothing_rotates, rotating_pairs, source_rotation)
-from mlaconv.conversion.pipeline import SourceLayer
+                                    nothing_rotates, source_rotation)
 
 
 @dataclass(frozen=True)
@@ -44,9 +43,3 @@ class RotaryAudit:
     def of_latent(self, latent: LatentAttention, rope_dim: int, stride: int) -> RotaryFigures:
         """The figures of a compact layer whose R/2 slots turn at source pairs 0, s, 2s, …"""
         return self.figures(latent_slots(latent, self.shape, rope_dim, kept_frequencies(rope_dim, stride)))
-
-
-def rotary_audit(layer: SourceLayer, shape: AttentionShape, options: LayerOptions) -> RotaryAudit:
-    """Layer ``layer.index``'s ``RotaryAudit`` (after its statistics: the audit inputs are the held ones)."""
-    return RotaryAudit(layer.linear, shape, rotating_pairs(shape, options), layer.audit_metric(),
-                       layer.streamer.audit_rotation_mean(layer.index, layer.attention))

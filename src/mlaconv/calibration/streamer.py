@@ -6,7 +6,7 @@ each layer we accumulate E[x xᵀ] of the attention input x = γ ⊙ ĥ in float
 converter weighs (key/query energies per frequency, K/V output energies) is a quadratic form in
 that matrix, so this is all the data it needs.
 
-The windows are split three ways (``calibration_windows.split_windows``; disjoint, recorded in the report by index):
+The windows are split three ways (``calibration.windows.split_windows``; disjoint, recorded in the report by index):
 *fit* windows give E[x xᵀ], the attention profile μ, a QK-norm layer's linear stand-in and the refinement's
 gradient steps; *select* windows make every choice (each layer's variant, the (r, R) split, the refinement's
 best step and whether it is kept); *audit* windows are only measured on: every per-layer figure of the report, and
@@ -20,17 +20,17 @@ from typing import Sequence
 
 import torch
 
-from mlaconv.source.spec import SourceSpec
 from mlaconv.calibration.windows import WindowSplit, split_windows
-from mlaconv.source.families import EMBED, FINAL_NORM, LM_HEAD, SourceWeights
 from mlaconv.io import CheckpointReader
-from mlaconv.progress import Progress, no_progress
 from mlaconv.mla import qk_norm
+from mlaconv.mla.forward import attention_by_distance, mla_attention, mlp_block, query_key, rms_norm, source_attention
 from mlaconv.mla.layer import LayerStats, MLAAttention, SourceAttention
 from mlaconv.mla.refine import NormalizedWindows
-from mlaconv.mla.rope import pair_frequencies
-from mlaconv.mla.forward import (attention_by_distance, mla_attention, mlp_block, query_key, rms_norm,
-                               rope_angles, source_attention)
+from mlaconv.mla.rope import pair_frequencies, rope_angles
+from mlaconv.progress import Progress, no_progress
+from mlaconv.source.names import EMBED, FINAL_NORM, LM_HEAD
+from mlaconv.source.spec import SourceSpec
+from mlaconv.source.weights import SourceWeights
 
 
 @dataclass

@@ -11,10 +11,19 @@ from pathlib import Path
 
 import torch
 
-from mlaconv.source.spec import SourceSpec
 from mlaconv.errors import MlaconvError
-from mlaconv.io.text import load_dataset_text, read_text, read_token_lines
 from mlaconv.io.models import load_tokenizer
+from mlaconv.io.text import load_dataset_text, read_text, read_token_lines
+from mlaconv.source.spec import SourceSpec
+
+
+@dataclass(frozen=True)
+class CalibrationData:
+    """What a conversion calibrates on: text or token-id files and/or a dataset, and what the report says of it."""
+
+    files: tuple[str, ...]
+    dataset: str | None
+    description: str
 
 
 def load_calibration_tokens(source: Path, spec: SourceSpec, files: list[str], dataset: str | None,

@@ -10,15 +10,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from mlaconv.cli import app
-from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line,
-                                 progress, report_console)
+from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
+                                 report_console)
 from mlaconv.errors import MlaconvError
 
 COLUMNS = ["source", "dtype", "ctx", "cache MB a→c", "(a) ms", "(b) ms", "(c) ms", "(c′) ms", "c/a", "ideal",
            "c/a÷ideal", "core c/a", "core÷ideal"]
 LEGEND = ("(a) source K/V cache + SDPA; (b) MLA, K/V rebuilt from the latent each step (transformers); (c) MLA absorbed "
-          "on the latent cache (mlaconv.target.absorb weights); (c′) the same attention, W^UK/W^UV applied per head at run "
-          "time; cache MB = cache bytes read per decoded token; ideal = cache bytes (a) / (c); core = attention over "
+          "on the latent cache (mlaconv.target.absorb weights); (c′) the same attention, W^UK/W^UV applied per head at "
+          "run time; cache MB = cache bytes read per decoded token; ideal = cache bytes (a) / (c); core = attention over "
           "the cache only (no projections), (a) vs (c)")
 
 bench_app = typer.Typer(help="Measure decode speed.", no_args_is_help=True)
@@ -72,7 +72,7 @@ def decode(
     with handle_errors(debug, json_out):
         import torch
 
-        from mlaconv.runtime.bench import DTYPES, SHAPES, BenchOptions, run_decode_bench
+        from mlaconv.runtime.bench import SHAPES, TIMED_DTYPES, BenchOptions, run_decode_bench
 
         device_names = _names(devices, ("cpu", "cuda"), "device") if devices else None
         if device_names and "cuda" in device_names and not torch.cuda.is_available():
@@ -84,8 +84,8 @@ def decode(
         if threads is not None and threads < 1:
             raise MlaconvError(f"--threads must be ≥ 1, got {threads}")
         options = BenchOptions(contexts=_contexts(contexts), shapes=_names(shapes, tuple(SHAPES), "shape"),
-                               dtypes=_names(dtypes, tuple(DTYPES), "dtype"), devices=device_names, repeats=repeats,
-                               warmup=warmup, cold=cold, clock=clock, threads=threads, expanded=expanded,
+                               dtypes=_names(dtypes, tuple(TIMED_DTYPES), "dtype"), devices=device_names,
+                               repeats=repeats, warmup=warmup, cold=cold, clock=clock, threads=threads, expanded=expanded,
                                seed=seed)
         with progress(quiet) as track:
             result = run_decode_bench(options, progress=track)

@@ -9,7 +9,7 @@ import typer
 
 from mlaconv.cli import app
 from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
-                                report_console)
+                                 report_console)
 
 export_app = typer.Typer(help="Write a converted model in another engine's format.", no_args_is_help=True)
 app.add_typer(export_app, name="export")

@@ -49,9 +49,10 @@ def heal(
     with handle_errors(debug, json_out):
         from mlaconv.errors import MlaconvError
         from mlaconv.heal import HealOptions, heal as run_heal
-        from mlaconv.io.models import check_device, default_device
+        from mlaconv.devices import check_device, default_device
         from mlaconv.conversion.options import ConvertOptions
-        from mlaconv.conversion.plan import calibration_data, load_source
+        from mlaconv.conversion.plan import calibration_data
+        from mlaconv.source.spec import load_source
 
         check_device(device)
         if not model.is_dir():

@@ -13,8 +13,8 @@ from rich.table import Table
 from mlaconv.cli import inspect_app
 from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
                                  report_console)
-from mlaconv.errors import MlaconvError
 from mlaconv.conversion.options import cli_parameters, given_options, with_options
+from mlaconv.errors import MlaconvError
 from mlaconv.report import SpectraReport
 from mlaconv.report.spectra import SpectraRefinement
 

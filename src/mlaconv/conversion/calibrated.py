@@ -1,7 +1,7 @@
 """The calibrated conversion's policy: which variant each layer keeps, the (r, R) split of a --kv-keep budget,
 how much refinement runs, and which of the closed-form and refined models is written.
 
-The calibration windows are split into fit, select and audit sets (``calibration_windows.split_windows``). The
+The calibration windows are split into fit, select and audit sets (``calibration.windows.split_windows``). The
 factorizations and the refinement's gradient steps see fit windows only; every choice below is made on
 select windows; every figure the report gives is measured on audit windows. The audit windows choose one
 thing only, at the very end: which of two whole models, the closed form or the refined one, is written
@@ -16,22 +16,22 @@ from functools import partial
 
 import torch
 
+from mlaconv.calibration.rotary_audit import RotaryAudit
 from mlaconv.calibration.streamer import CalibrationOptions, MLARun, SourceStreamer
 from mlaconv.calibration.windows import WindowSplit, load_calibration_tokens, split_windows
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.pipeline import SourceLayer, source_layers
 from mlaconv.conversion.plan import Plan, ShapeChoice, kv_budget, rope_strides, shape_candidates
-from mlaconv.target.targets import target
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
 from mlaconv.mla.attention import assemble, convert_attention, factor_attention, latent_errors
 from mlaconv.mla.layer import LayerOptions, LayerReport, MLAAttention
 from mlaconv.mla.refine import CHECK_EVERY, QUERY_SHARE, REFINE_BATCH, REFINE_LR, refine, refinement_flops
 from mlaconv.progress import Progress, no_progress
-from mlaconv.calibration.rotary_audit import RotaryAudit, rotary_audit
 from mlaconv.report.conversion import (Agreement, Calibration, LayerFigures, LayerSelection, RefinementOutcome,
                                        ShapeSearch, SplitCandidate, WholeModel)
 from mlaconv.report.record import WindowSets
+from mlaconv.target.targets import target
 
 DEFAULT_REFINE_STEPS = 150  # of REFINE_BATCH windows at REFINE_LR (75 of 4, then 200 at 3e-3 before: docs/bench-history.md)
 MIN_REDUCED_STEPS = 25  # below this a reduced refinement is not worth running (see bench/refine/README.md)
@@ -276,7 +276,7 @@ def calibrate_layer(source: SourceLayer, plan: Plan, search: bool = True, refine
     i, src, streamer, stats = source.index, source.attention, source.streamer, source.stats
     audit_metric, linear = source.audit_metric(), source.linear  # linear: src unless QK-norm
     layer, run = plan.layer, layer_run(plan.spec, plan.layer, streamer.options.tokens.shape[1])
-    rotary = rotary or rotary_audit(source, plan.shape, layer)
+    rotary = rotary or source.rotary_audit(plan.shape, layer)
 
     def error(mla: MLAAttention, windows: str) -> float:
         return streamer.attention_error(i, src, mla, run.rank, run.rope_dim, run.slot_frequencies,

@@ -21,11 +21,11 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from mlaconv.devices import default_device
 from mlaconv.errors import MlaconvError
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
 from mlaconv.mla.latent_norm import DEFAULT_DELTA
 from mlaconv.mla.refine import CHECK_EVERY, REFINE_BATCH
-from mlaconv.io.models import default_device
 from mlaconv.target.targets import DEFAULT_TARGET
 
 

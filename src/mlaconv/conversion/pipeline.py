@@ -7,8 +7,8 @@ calibration activations through the one before, following the converted layers t
 ``SourceLayer.follow``; steps never drive the streamer themselves. ``convert``, the (r, R) split search, the
 rope-stride pass, ``inspect spectra`` and the bench baselines all iterate this.
 
-``checkpoint_layers`` is the same loop over a converted DeepSeek-V3 checkpoint, for what reads one back
-(``absorb``, the GGUF export, the latent-cache runtime).
+``target.deepseek.checkpoint_layers`` is the same loop over a converted DeepSeek-V3 checkpoint, for what reads one
+back (``absorb``, the GGUF export, the latent-cache runtime).
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from typing import Iterator
 
 import torch
 
-from mlaconv.target import deepseek
-from mlaconv.source.spec import SourceSpec
+from mlaconv.calibration.rotary_audit import RotaryAudit
 from mlaconv.calibration.streamer import MLARun, SourceStreamer
-from mlaconv.source.families import SourceWeights
 from mlaconv.io import CheckpointReader
-from mlaconv.mla.layer import LayerStats, MLAAttention, SourceAttention
+from mlaconv.mla.layer import AttentionShape, LayerOptions, LayerStats, MLAAttention, SourceAttention
+from mlaconv.mla.shared_key import rotating_pairs
 from mlaconv.progress import Progress, no_progress
+from mlaconv.source.spec import SourceSpec
+from mlaconv.source.weights import SourceWeights
 
 
 @dataclass
@@ -67,6 +68,11 @@ class SourceLayer:
     def audit_metric(self) -> torch.Tensor:
         return self._streamer().audit_metric(self.index)
 
+    def rotary_audit(self, shape: AttentionShape, options: LayerOptions) -> RotaryAudit:
+        """The layer's ``RotaryAudit`` (after its statistics: the audit inputs are the held ones)."""
+        return RotaryAudit(self.linear, shape, rotating_pairs(shape, options), self.audit_metric(),
+                           self._streamer().audit_rotation_mean(self.index, self.attention))
+
     def _streamer(self) -> SourceStreamer:
         if self.streamer is None:
             raise RuntimeError("this pass over the source is not calibrated")
@@ -82,30 +88,3 @@ def source_layers(reader: CheckpointReader, spec: SourceSpec, streamer: SourceSt
         yield layer
         if streamer is not None:
             streamer.advance(i, layer.attention, layer.follow or None, layer.run)
-
-
-@dataclass(frozen=True)
-class CheckpointLayer:
-    """Layer ``index`` of a converted DeepSeek-V3 checkpoint."""
-
-    index: int
-    reader: CheckpointReader
-
-    @property
-    def prefix(self) -> str:
-        """The layer's tensor names start with this."""
-        return deepseek.layer_prefix(self.index)
-
-    def read_attention(self) -> MLAAttention:
-        return deepseek.read_attention(self.reader, self.index)
-
-
-def checkpoint_layers(reader: CheckpointReader, num_layers: int) -> Iterator[CheckpointLayer]:
-    """Every layer of a converted checkpoint in order."""
-    for i in range(num_layers):
-        yield CheckpointLayer(i, reader)
-
-
-def read_attention(reader: CheckpointReader, spec: SourceSpec, i: int) -> SourceAttention:
-    """Layer i's attention in Llama's canonical layout, whatever the family (``SourceWeights``)."""
-    return SourceWeights(reader, spec).attention(i)

@@ -10,20 +10,23 @@ from pathlib import Path
 
 import torch
 
-from mlaconv.target import deepseek
-from mlaconv.source.spec import QK_NORM_NEEDS_CALIBRATION, SourceSpec
-from mlaconv.errors import MlaconvError
-from mlaconv.io.text import TokenSource, token_counts
-from mlaconv.io import CheckpointReader, read_config, resolve_source
-from mlaconv.mla import rope
-from mlaconv.mla.attention import full_rank
-from mlaconv.mla.layer import AttentionShape, LayerOptions, mla_cache_elements
-from mlaconv.mla.shared_key import key_energies
-from mlaconv.mla.latent_norm import LATENT_NORM_EPS
-from mlaconv.io.models import DTYPES, check_device, has_tokenizer
+from mlaconv.calibration.windows import CalibrationData
 from mlaconv.conversion.options import ConvertOptions, Recipe, load_recipe
 from mlaconv.conversion.pipeline import source_layers
+from mlaconv.devices import DTYPES, check_device
+from mlaconv.errors import MlaconvError
+from mlaconv.io import CheckpointReader
+from mlaconv.io.models import has_tokenizer
+from mlaconv.io.text import TokenSource, token_counts
+from mlaconv.mla import rope
+from mlaconv.mla.attention import full_rank
+from mlaconv.mla.latent_norm import LATENT_NORM_EPS
+from mlaconv.mla.layer import AttentionShape, LayerOptions, mla_cache_elements
+from mlaconv.mla.shared_key import key_energies
 from mlaconv.progress import Progress, no_progress
+from mlaconv.source.families import QK_NORM_NEEDS_CALIBRATION
+from mlaconv.source.spec import SourceSpec, load_source
+from mlaconv.target import deepseek
 from mlaconv.target.targets import Target, check_head_size, rope_scaling_for, served_budget, target
 
 GENERAL_TEXT = Path(__file__).resolve().parents[1] / "data" / "general.txt"
@@ -36,7 +39,7 @@ DEFAULT_ROPE_DIM = 64
 @dataclass(frozen=True)
 class ShapeChoice:
     """The (r, R) a conversion plans, and why; the written checkpoint's whole attention shape is a
-    ``deepseek.MLAShape``."""
+    ``mla.layer.MLAShape``."""
 
     rank: int  # r
     rope_dim: int  # R
@@ -50,9 +53,9 @@ class ShapeChoice:
 def plan_shapes(spec: SourceSpec, rank: int | None, kv_keep: float | None, rope_dim: int | None,
                 chosen: Target | None = None) -> ShapeChoice:
     """Validate --rank / --kv-keep / --rope-dim against the source and pick (r, R); for a serving target ``chosen``
-    the --kv-keep budget becomes the largest MLA shape its engines run within it (``targets.served_budget``)."""
+    the --kv-keep budget becomes the largest MLA shape its engines run within it (``target.targets.served_budget``)."""
     d, rotary = spec.head_dim, spec.rotary_dim
-    source_elements = spec.kv_elements_per_token_per_layer
+    source_elements = spec.attention_shape.cache_elements
     if rope_dim is not None:
         if rope_dim < 2 or rope_dim % 2:
             raise MlaconvError(f"--rope-dim must be an even number ≥ 2, got {rope_dim}")
@@ -101,7 +104,7 @@ def _rope_for(spec: SourceSpec, rope_dim: int | None, budget: int) -> int:
 
 def kv_budget(spec: SourceSpec, kv_keep: float, rope_dim: int | None, chosen: Target | None) -> tuple[int, int]:
     """The --kv-keep budget in cache elements per token and layer, and what the serving target makes of it."""
-    source_elements = spec.kv_elements_per_token_per_layer
+    source_elements = spec.attention_shape.cache_elements
     whole = int(math.floor(kv_keep * source_elements + 1e-9))
     if chosen is None:
         return whole, whole
@@ -161,16 +164,6 @@ def factor_precision(dtype: torch.dtype | None) -> torch.dtype:
     return torch.float32 if dtype is not None and torch.finfo(dtype).bits <= 16 else torch.float64
 
 
-def load_source(source: str, revision: str | None = None,
-                allow_sliding_window: bool = False) -> tuple[Path, SourceSpec, CheckpointReader]:
-    """Resolve, validate and open a source checkpoint (headers only)."""
-    folder = resolve_source(source, revision)
-    spec = SourceSpec.from_config(read_config(folder), allow_sliding_window=allow_sliding_window)
-    reader = CheckpointReader(folder)
-    spec.check_tensors(reader)
-    return folder, spec, reader
-
-
 def residual_scale(spec: SourceSpec) -> float:
     """α = √(1e-6/ε_src): rescales the residual stream so that rms_norm_eps can be DeepSeek's 1e-6 exactly."""
     return math.sqrt(LATENT_NORM_EPS / spec.rms_norm_eps)
@@ -182,15 +175,6 @@ def layer_options(spec: SourceSpec, shapes: ShapeChoice, options: ConvertOptions
         rope_stride=options.rope_stride, rotary_dim=spec.rotary_dim, context=min(spec.max_position_embeddings, 4096),
         residual_scale=residual_scale(spec), delta=options.delta, biases=target(options.target).biases,
     )
-
-
-@dataclass(frozen=True)
-class CalibrationData:
-    """What a conversion calibrates on: text or token-id files and/or a dataset, and what the report says of it."""
-
-    files: tuple[str, ...]
-    dataset: str | None
-    description: str
 
 
 def calibration_data(folder: Path, options: ConvertOptions) -> CalibrationData | None:
@@ -312,7 +296,7 @@ def check_recipe(recipe: Recipe, spec: SourceSpec) -> ShapeChoice:
 def kv_cache_figures(spec: SourceSpec, shapes: ShapeChoice, dtype: torch.dtype) -> dict:
     """The ``kv_cache`` block a recipe should carry: per token per layer, and bytes per token over all layers."""
     element = torch.empty((), dtype=dtype).element_size()
-    source, converted = spec.kv_elements_per_token_per_layer, shapes.cache_elements
+    source, converted = spec.attention_shape.cache_elements, shapes.cache_elements
     return {
         "elements_per_token_per_layer": {"source": source, "converted": converted},
         "bytes_per_token": {"source": source * spec.num_layers * element,

@@ -1,5 +1,5 @@
 """The ``ConversionReport`` of a finished conversion: its top-level figures, from the plan and the written layers'
-``LayerReport``s (``conversion.convert`` adds the optional sections)."""
+``LayerReport``s (``conversion.run.convert`` adds the optional sections)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from pathlib import Path
 import torch
 
 from mlaconv import __version__
-from mlaconv.source.spec import SourceSpec
-from mlaconv.target.engines import BIASES
-from mlaconv.mla.latent_norm import LATENT_NORM_EPS
-from mlaconv.mla.layer import LayerReport
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.plan import ShapeChoice, kv_cache_figures
+from mlaconv.mla.latent_norm import LATENT_NORM_EPS
+from mlaconv.mla.layer import LayerReport
 from mlaconv.report import ConversionReport
 from mlaconv.report.conversion import EnergyFigures, KVFigures, LatentNorm, SourceShape, TargetReport
+from mlaconv.source.spec import SourceSpec
+from mlaconv.target.engines import BIASES
 from mlaconv.target.serving import serving_notes
 
 
@@ -53,7 +53,7 @@ def conversion_report(spec: SourceSpec, shapes: ShapeChoice, config: dict, repor
         rope_stride=reports[0].rope_stride,
         kv_elements_per_token_per_layer=KVFigures(**kv["elements_per_token_per_layer"]),
         kv_bytes_per_token=KVFigures(**kv["bytes_per_token"]),
-        kv_keep=shapes.cache_elements / spec.kv_elements_per_token_per_layer,
+        kv_keep=shapes.cache_elements / spec.attention_shape.cache_elements,
         energy_retained=EnergyFigures(energy, _mean(energy)),
         rope_energy_kept=rope_kept,
         rope_energy_kept_mean=_mean(rope_kept),

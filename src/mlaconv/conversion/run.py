@@ -26,25 +26,25 @@ from typing import Callable, Iterable, Iterator, Protocol, TypeVar
 
 import torch
 
-from mlaconv.errors import MlaconvError
-from mlaconv.evaluate.perplexity import evaluate_perplexity
-from mlaconv.io import ShardedWriter, atomic_output_dir, check_free_space, check_output_target
-from mlaconv.io.heap import heap_reuse
-from mlaconv.target.layout import LayerWriter, copy_tokenizer
-from mlaconv.mla.attention import convert_attention
-from mlaconv.mla.layer import LayerReport, MLAAttention, SourceAttention
-from mlaconv.target.model_card import write_model_card
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.pipeline import SourceLayer, source_layers
-from mlaconv.conversion.plan import (Plan, calibration_description, estimate_output_bytes, eval_source, factor_precision, output_config, output_dtype,
-                          plan_conversion, with_rope_stride)
+from mlaconv.conversion.plan import (Plan, calibration_description, estimate_output_bytes, eval_source,
+                                     factor_precision, output_config, output_dtype, plan_conversion, with_rope_stride)
 from mlaconv.conversion.report import conversion_report
+from mlaconv.errors import MlaconvError
+from mlaconv.evaluate.perplexity import evaluate_perplexity
+from mlaconv.evaluate.verdict import conversion_verdict
+from mlaconv.io import ShardedWriter, atomic_output_dir, check_free_space, check_output_target
+from mlaconv.io.heap import heap_reuse
+from mlaconv.mla.attention import convert_attention
+from mlaconv.mla.layer import LayerReport, MLAAttention, SourceAttention
 from mlaconv.progress import Progress, no_progress
 from mlaconv.report import ConversionReport, EvalReport
 from mlaconv.report.conversion import Absorbed
 from mlaconv.report.record import Failure
+from mlaconv.target.layout import LayerWriter, copy_tokenizer
+from mlaconv.target.model_card import write_model_card
 from mlaconv.target.targets import target_report
-from mlaconv.evaluate.verdict import conversion_verdict
 
 WRITE_AHEAD_BYTES = 64 * 2**20  # tensors waiting for the writer's thread, at most (or one larger)
 LAYER_MEMORY = 2**30  # weights only: a second layer is factored at once only below this working set

@@ -40,7 +40,7 @@ def kv_cache_mib(log: list[str]) -> float:
 
 
 @dataclass
-class Engine:
+class LoadedGGUF:
     """A loaded GGUF with one context; ``log`` holds llama.cpp's log lines from loading it."""
 
     llm: object
@@ -60,8 +60,8 @@ class Engine:
 
 @contextmanager
 def open_engine(path: Path, n_ctx: int, *, n_batch: int = 512, f32_cache: bool = True, threads: int | None = None,
-                logits_all: bool = True) -> Iterator[Engine]:
-    """Load ``path`` in llama.cpp (CPU) with one sequence and yield an ``Engine``; closed on exit. (``Llama`` takes
+                logits_all: bool = True) -> Iterator[LoadedGGUF]:
+    """Load ``path`` in llama.cpp (CPU) with one sequence and yield a ``LoadedGGUF``; closed on exit. (``Llama`` takes
     no ``n_seq_max``: for parallel sequences see ``bench/engines/llamacpp.py``, which builds the context itself.)"""
     llama_cpp = _llama_cpp()
     log: list[str] = []
@@ -72,7 +72,7 @@ def open_engine(path: Path, n_ctx: int, *, n_batch: int = 512, f32_cache: bool =
             n_threads=threads, n_threads_batch=threads,
         )
     try:
-        yield Engine(llm, log)
+        yield LoadedGGUF(llm, log)
     finally:
         llm.close()
 

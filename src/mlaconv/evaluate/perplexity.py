@@ -19,6 +19,7 @@ Position buckets split the figures by where in its window a prediction is made: 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -27,12 +28,13 @@ from typing import Iterator, Sequence
 
 import torch
 
+from mlaconv.devices import DTYPES, available_memory_bytes, check_device
 from mlaconv.errors import MlaconvError
-from mlaconv.progress import Progress, no_progress
 from mlaconv.io import read_config, resolve_source
+from mlaconv.io.models import load_causal_lm, parameter_bytes, refuse_float16_mla
 from mlaconv.io.text import TokenSource, cut_windows, load_eval_tokens
-from mlaconv.io.models import (DTYPES, available_memory_bytes, check_device, kv_cache_bytes_per_token, kv_cache_elements,
-                            load_causal_lm, parameter_bytes, refuse_float16_mla)
+from mlaconv.mla.layer import kv_cache_elements
+from mlaconv.progress import Progress, no_progress
 from mlaconv.report import EvalReport
 from mlaconv.report.evaluation import PositionBucket
 
@@ -332,11 +334,18 @@ def _kv_cache(folders: ModelPair, dtype: torch.dtype) -> dict:
     """KV-cache elements and bytes per token over all layers (MLA: r + R; GQA: 2·n_kv·d; per layer)."""
     elements = {role: kv_cache_elements(folders.configs[role]) * int(folders.configs[role]["num_hidden_layers"])
                 for role in folders.folders()}
-    kv_bytes = {role: kv_cache_bytes_per_token(folder, dtype) for role, folder in folders.folders().items()}
+    kv_bytes = {role: _kv_cache_bytes_per_token(folder, dtype) for role, folder in folders.folders().items()}
     report = {"kv_elements_per_token": elements, "kv_bytes_per_token": kv_bytes}
     if folders.baseline:
         report["kv_kept"] = elements["model"] / elements["baseline"]
     return report
+
+
+def _kv_cache_bytes_per_token(folder: str | Path, dtype: torch.dtype) -> int:
+    """Bytes of KV cache per token over all layers, for a model folder, at ``dtype``."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    element = torch.empty((), dtype=dtype).element_size()
+    return kv_cache_elements(config) * int(config["num_hidden_layers"]) * element
 
 
 def _parse_options(window: int | None, max_windows: int | None, batch_size: int, dtype: str, device: str | None,

@@ -21,9 +21,10 @@ from typing import Iterable, Sequence
 
 import torch
 
+from mlaconv.devices import DTYPES, check_device
 from mlaconv.errors import MlaconvError
 from mlaconv.evaluate.perplexity import resolve_models, shortest_context
-from mlaconv.io.models import DTYPES, check_device, load_causal_lm, load_tokenizer, refuse_float16_mla
+from mlaconv.io.models import load_causal_lm, load_tokenizer, refuse_float16_mla
 from mlaconv.progress import Progress, no_progress
 from mlaconv.report.evaluation import DepthBucket, RetrievalCase, RetrievalLength, RetrievalReport
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
-from mlaconv.source.spec import SourceSpec
-from mlaconv.io.models import available_memory_bytes, load_causal_lm, load_tokenizer, parameter_bytes
+from mlaconv.devices import available_memory_bytes
+from mlaconv.io.models import load_causal_lm, load_tokenizer, parameter_bytes
 from mlaconv.report.conversion import Verification
+from mlaconv.source.spec import SourceSpec
 
 
 def compare_logits(reference: torch.Tensor, other: torch.Tensor) -> dict:

@@ -14,19 +14,20 @@ from pathlib import Path
 
 import torch
 
-from mlaconv.target import deepseek
-from mlaconv.calibration.windows import load_calibration_tokens
+from mlaconv.calibration.windows import CalibrationData, load_calibration_tokens
 from mlaconv.errors import MlaconvError
 from mlaconv.heal.distill import (HELD_WINDOWS, STEP_COST, TRAINED, HealOptions, check_options, default_tokens,
                                   teacher_targets, train)
 from mlaconv.io import atomic_output_dir, check_output_target
+from mlaconv.io.models import load_causal_lm
 from mlaconv.io.text import TokenSource
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, latent_bound
-from mlaconv.io.models import load_causal_lm
-from mlaconv.conversion.plan import CalibrationData, load_source
 from mlaconv.progress import Progress, no_progress
 from mlaconv.report import ConversionReport
 from mlaconv.report.conversion import HealFigures, HealReport
+from mlaconv.source import names
+from mlaconv.source.spec import load_source
+from mlaconv.target import deepseek
 
 ALL_WINDOWS = 2**40  # ask ``load_calibration_tokens`` for every window the data holds
 BOUND_SLACK = 1e-3  # a bound over δ by less than this share is the conversion's own δ in rounding, left as it is
@@ -140,13 +141,13 @@ def _tiny_latent(folder: Path, rank: int, delta: float, state: dict[str, torch.T
     it, the rows are scaled to 99% of it and kv_a_layernorm's weight up by the same factor (the same function while
     the norm is linear). Returns the state as stored, the largest bound and the layers rescaled."""
     from mlaconv.io import CheckpointReader
-    from mlaconv.conversion.pipeline import checkpoint_layers
+    from mlaconv.target.deepseek import checkpoint_layers
 
     reader, bounds, rescaled = CheckpointReader(folder), [], []
     for layer in checkpoint_layers(reader, json.loads((folder / "config.json").read_text())["num_hidden_layers"]):
         i, prefix = layer.index, layer.prefix
         kv_a_name, norm_name = prefix + deepseek.KV_A_PROJ, prefix + deepseek.KV_A_NORM
-        gamma = reader.get(prefix + deepseek.INPUT_NORM)
+        gamma = reader.get(prefix + names.INPUT_NORM)
         stored = reader.dtype(kv_a_name)
         kv_a = state[kv_a_name].to(stored) if kv_a_name in state else reader.get(kv_a_name)
         bound = latent_bound(kv_a[:rank], gamma)

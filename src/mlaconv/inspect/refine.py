@@ -1,6 +1,6 @@
 """``inspect spectra --refine``: convert's calibrated steps, layer by layer, without writing anything.
 
-The same preparation as ``conversion.convert`` (``calibrated.prepare``: the (r, R) split search for --kv-keep, the
+The same preparation as ``conversion.run.convert`` (``calibrated.prepare``: the (r, R) split search for --kv-keep, the
 refinement plan) and the
 same ``calibrated.calibrate_layer`` on every layer: the variant kept on the select windows, its refinement, and both
 measured on the audit windows. What it adds to the spectra is what refinement recovers, per layer: the attention
@@ -11,17 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlaconv.conversion.calibrated import RefinementPlan, calibrate_layer, prepare
+from mlaconv.calibration.rotary_audit import RotaryAudit
 from mlaconv.calibration.streamer import SourceStreamer
-from mlaconv.errors import MlaconvError
-from mlaconv.mla.layer import LayerReport
+from mlaconv.conversion.calibrated import RefinementPlan, calibrate_layer, prepare
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.pipeline import SourceLayer
 from mlaconv.conversion.plan import Plan
+from mlaconv.errors import MlaconvError
+from mlaconv.mla.layer import LayerReport
 from mlaconv.progress import Progress, no_progress
 from mlaconv.report.conversion import ShapeSearch
 from mlaconv.report.spectra import LayerAudit, LayerRefinement, SpectraRefinement
-from mlaconv.calibration.rotary_audit import RotaryAudit
 
 
 @dataclass

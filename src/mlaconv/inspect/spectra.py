@@ -33,20 +33,20 @@ from mlaconv import __version__
 from mlaconv.conversion.calibrated import calibrated_layer_options, calibration_streamer, window_sets
 from mlaconv.conversion.options import ConvertOptions, flags, shared
 from mlaconv.conversion.pipeline import source_layers
-from mlaconv.conversion.plan import ShapeChoice, factor_precision, model_full_rank, output_dtype, plan_conversion, with_rope_stride
+from mlaconv.conversion.plan import (ShapeChoice, factor_precision, model_full_rank, output_dtype, plan_conversion,
+                                     with_rope_stride)
 from mlaconv.errors import MlaconvError
+from mlaconv.inspect.refine import start_refinement
+from mlaconv.mla import rope
 from mlaconv.mla import latent as latent_math
 from mlaconv.mla import metric as metric_math
-from mlaconv.mla import rope
 from mlaconv.mla.attention import LayerAnalysis, analyse_layer, latent_errors
 from mlaconv.mla.layer import AttentionShape, LayerOptions, LayerStats, SourceAttention
 from mlaconv.mla.shared_key import (RotaryFigures, closed_form_slots, query_energy_per_head, rotating_pairs,
-                                     weights_only_stats)
+                                    weights_only_stats)
 from mlaconv.progress import Progress, no_progress
 from mlaconv.report import SpectraReport
 from mlaconv.report.spectra import LayerSpectrum, Recommendation, SpectraSummary
-from mlaconv.calibration.rotary_audit import rotary_audit
-from mlaconv.inspect.refine import start_refinement
 
 DEFAULT_ENERGY_TARGETS = (0.9, 0.95, 0.99)
 DEFAULT_POWERS_OF_TWO = 6  # default ranks: the 6 largest powers of two below the full rank, and the full rank
@@ -135,7 +135,7 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
             i, audit, rotary = source.index, None, None
             if streamer:
                 src, stats, audit = source.linear, source.stats, source.audit_metric()
-                rotary = rotary_audit(source, plan.shape, plan.layer)
+                rotary = source.rotary_audit(plan.shape, plan.layer)
             else:
                 src = source.attention
                 stats = stats_for_layer(i, src) if stats_for_layer else None
@@ -164,16 +164,16 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
         hidden_size=spec.hidden_size,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
-        kv_elements_per_token_per_layer=spec.kv_elements_per_token_per_layer,
+        kv_elements_per_token_per_layer=spec.attention_shape.cache_elements,
         qk_rope_head_dim=shapes.rope_dim,
         rope_stride=lopts.rope_stride,
-        matrix_rows=spec.kv_elements_per_token_per_layer,  # [K; V] has a row per cached value
+        matrix_rows=spec.attention_shape.cache_elements,  # [K; V] has a row per cached value
         full_rank=full,
         ranks=ranks,
         energy_targets=list(options.energy_targets),
         layers=layers,
         summary=_summary(layers),
-        recommendation=_recommendation(recommended, options.kv_keep, spec.kv_elements_per_token_per_layer, ranks,
+        recommendation=_recommendation(recommended, options.kv_keep, spec.attention_shape.cache_elements, ranks,
                                        layers),
         seconds=round(time.perf_counter() - started, 3),
         refinement=refining.report(plan) if refining else None,

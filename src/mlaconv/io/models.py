@@ -1,4 +1,5 @@
-"""Loading whole models and tokenizers through the public transformers API (never remote code)."""
+"""Loading whole models and tokenizers through the public transformers API (never remote code), and what a
+model's parameters take."""
 
 from __future__ import annotations
 
@@ -8,10 +9,6 @@ from pathlib import Path
 import torch
 
 from mlaconv.errors import MlaconvError
-from mlaconv.mla.layer import gqa_cache_elements, mla_cache_elements
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype choices
-
 
 def refuse_float16_mla(folder: str | Path, config: dict, dtype: torch.dtype) -> None:
     """Refuse to run an MLA checkpoint (one with ``kv_lora_rank``) in float16, in one line.
@@ -83,50 +80,3 @@ def parameter_bytes(folder: str | Path, dtype: torch.dtype) -> int:
             count *= s
         elements += count
     return elements * torch.empty((), dtype=dtype).element_size()
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (or a conservative 8 GiB where that file does not exist)."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
-
-
-def kv_cache_elements(config: dict) -> int:
-    """KV-cache elements per token and layer a config implies (MLA: r + R; MHA/GQA: 2·n_kv·d)."""
-    if config.get("kv_lora_rank"):
-        return mla_cache_elements(int(config["kv_lora_rank"]), int(config.get("qk_rope_head_dim", 0)))
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    return gqa_cache_elements(kv_heads, int(config.get("head_dim") or int(config["hidden_size"]) // heads))
-
-
-def kv_cache_bytes_per_token(folder: str | Path, dtype: torch.dtype) -> int:
-    """Bytes of KV cache per token over all layers, for a model folder, at ``dtype``."""
-    config = json.loads((Path(folder) / "config.json").read_text())
-    element = torch.empty((), dtype=dtype).element_size()
-    return kv_cache_elements(config) * int(config["num_hidden_layers"]) * element
-
-
-def default_device() -> str:
-    """Where calibration runs unless told: the GPU when torch sees one, else the CPU."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def check_device(device: str | None, option: str = "--device") -> None:
-    """Refuse, in one line, a device torch cannot use here (an unknown name, or CUDA without a GPU)."""
-    if not device:
-        return
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        raise MlaconvError(f"unknown {option} {device!r} (try cpu, cuda, cuda:1, mps)") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise MlaconvError(f"{option} {device}: torch sees no CUDA device here")
-    if kind == "mps" and not torch.backends.mps.is_available():
-        raise MlaconvError(f"{option} {device}: torch sees no MPS device here")

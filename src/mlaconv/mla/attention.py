@@ -28,11 +28,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from mlaconv.mla import rope
 from mlaconv.mla import latent as latent_math
 from mlaconv.mla import metric as metric_math
-from mlaconv.mla import rope
 from mlaconv.mla.latent_norm import input_scale, tiny_latent
-from mlaconv.mla.layer import AttentionShape, LayerOptions, LayerReport, LayerStats, MLAAttention, SourceAttention
+from mlaconv.mla.layer import (AttentionShape, LatentAttention, LayerOptions, LayerReport, LayerStats, MLAAttention,
+                               SourceAttention)
 from mlaconv.mla.shared_key import decompose_keys, nope_query, weights_only_stats
 
 
@@ -125,31 +126,6 @@ def analyse_layer(src: SourceAttention, shape: AttentionShape, options: LayerOpt
     target, row_weight = latent_target(k_nope, src.v, stats, options, src.q, src.o, shape)
     spec = latent_math.spectrum(latent_math.weigh(row_weight, target), stats.metric)
     return LayerAnalysis(mix, choice, plain_kept, shared, k_nope, target, row_weight, spec)
-
-
-@dataclass
-class LatentAttention:
-    """One converted layer in its compact, linear form (before the tiny-latent norm and GQA expansion).
-
-    Scores are (q_nope·k_nope + rot(q_rope)·rot(k_rope))·(d+R)^-½ with k_nope = up_k·c, v = up_v·c,
-    c = down·x; the query rows already carry the √((d+R)/d) scale change. Weights are in source
-    units (no residual rescale).
-    """
-
-    q_nope: torch.Tensor  # [N·d, H]
-    q_rope: torch.Tensor  # [N·R, H], interleaved pairs
-    down: torch.Tensor  # A [r, H]
-    k_rope: torch.Tensor  # [R, H], interleaved pairs (the shared rotated key κ)
-    up_k: torch.Tensor  # [n_kv·d, r]
-    up_v: torch.Tensor  # [n_kv·d, r]
-    o: torch.Tensor  # [H, N·d]
-    k_rope_bias: torch.Tensor | None = None  # [R]
-    o_bias: torch.Tensor | None = None  # [H], W_o·b_v (+ the source's o bias)
-    k_nope_target: torch.Tensor | None = None  # [n_kv·d, H] the key remainders up_k·down approximates
-
-    def trainable(self) -> dict[str, torch.Tensor]:
-        return {"q_nope": self.q_nope, "q_rope": self.q_rope, "down": self.down, "k_rope": self.k_rope,
-                "up_k": self.up_k, "up_v": self.up_v}
 
 
 def factor_attention(src: SourceAttention, shape: AttentionShape, options: LayerOptions,

@@ -14,26 +14,18 @@ import torch
 import torch.nn.functional as F
 
 from mlaconv.mla.layer import AttentionShape, MLAAttention, SourceAttention
-from mlaconv.mla.rope import rotate_interleaved
+from mlaconv.mla.rope import rotate_half_pairs, rotate_interleaved
 
 
-def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 (or the input's dtype if wider), then scaled by ``weight``."""
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, *, in_dtype: bool = False) -> torch.Tensor:
+    """RMSNorm, its mean square computed in float32 (or the input's dtype if wider). By default the weight multiplies in
+    that wide dtype, and the caller casts; ``in_dtype`` (DeepSeek-V3's order in transformers, what the latent runtime
+    runs) casts the normalised input back to ``h``'s dtype first and multiplies it by the weight as it is."""
     dtype = torch.promote_types(h.dtype, torch.float32)
     x = h.to(dtype)
+    if in_dtype:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
     return weight.to(dtype) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def rope_angles(freqs: torch.Tensor, length: int) -> torch.Tensor:
-    """Angles pos·ω [S, F] for positions 0..S-1 (float64 for exactness, cast by the caller)."""
-    return torch.arange(length, dtype=torch.float64)[:, None] * freqs.to(torch.float64)[None, :]
-
-
-def rotate_half_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """RoPE in the rotate-half layout: pair j = (x[j], x[j + d/2]); x [..., S, d], angles [S, d/2]."""
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,16 @@ def mla_cache_elements(rank: int, rope_dim: int) -> int:
     return rank + rope_dim
 
 
+def kv_cache_elements(config: dict) -> int:
+    """KV-cache elements per token and layer a ``config.json`` implies (MLA: r + R; MHA/GQA: 2·n_kv·d). Every KV
+    count (``AttentionShape``, ``MLAShape``, a plan's ``ShapeChoice``, a config) is one of the two formulas above."""
+    if config.get("kv_lora_rank"):
+        return mla_cache_elements(int(config["kv_lora_rank"]), int(config.get("qk_rope_head_dim", 0)))
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    return gqa_cache_elements(kv_heads, int(config.get("head_dim") or int(config["hidden_size"]) // heads))
+
+
 @dataclass(frozen=True)
 class AttentionShape:
     hidden: int  # H
@@ -37,6 +47,32 @@ class AttentionShape:
     @property
     def cache_elements(self) -> int:
         return gqa_cache_elements(self.kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """A DeepSeek-V3 config's attention shape (P = qk_nope_head_dim, V = v_head_dim)."""
+
+    hidden: int  # H
+    heads: int  # N
+    rank: int  # r
+    rope_dim: int  # R
+    nope_dim: int  # P
+    v_dim: int  # V
+
+    @classmethod
+    def from_config(cls, config: dict) -> "MLAShape":
+        return cls(hidden=int(config["hidden_size"]), heads=int(config["num_attention_heads"]),
+                   rank=int(config["kv_lora_rank"]), rope_dim=int(config["qk_rope_head_dim"]),
+                   nope_dim=int(config["qk_nope_head_dim"]), v_dim=int(config["v_head_dim"]))
+
+    @property
+    def cache_elements(self) -> int:
+        return mla_cache_elements(self.rank, self.rope_dim)
+
+    @property
+    def softmax_scale(self) -> float:
+        return (self.nope_dim + self.rope_dim) ** -0.5
 
 
 @dataclass
@@ -87,7 +123,7 @@ class LayerOptions:
     delta: float = DEFAULT_DELTA  # tiny-latent bound on mean(c²)/ε
     biases: bool = True  # False: the output has no bias tensors (a serving target that ignores them); the
     # rope key's bias and W_o·b_v are then dropped here, and a refinement re-fits the layer with them fixed at zero
-    precision: torch.dtype = torch.float64  # what the factorization computes in (``conversion.factor_precision``)
+    precision: torch.dtype = torch.float64  # what the factorization computes in (``conversion.plan.factor_precision``)
 
 
 @dataclass
@@ -105,6 +141,31 @@ class MLAAttention:
 
     def cast(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "MLAAttention":
         return cast_tensors(self, device, dtype)
+
+
+@dataclass
+class LatentAttention:
+    """One converted layer in its compact, linear form (before the tiny-latent norm and GQA expansion).
+
+    Scores are (q_nope·k_nope + rot(q_rope)·rot(k_rope))·(d+R)^-½ with k_nope = up_k·c, v = up_v·c,
+    c = down·x; the query rows already carry the √((d+R)/d) scale change. Weights are in source
+    units (no residual rescale).
+    """
+
+    q_nope: torch.Tensor  # [N·d, H]
+    q_rope: torch.Tensor  # [N·R, H], interleaved pairs
+    down: torch.Tensor  # A [r, H]
+    k_rope: torch.Tensor  # [R, H], interleaved pairs (the shared rotated key κ)
+    up_k: torch.Tensor  # [n_kv·d, r]
+    up_v: torch.Tensor  # [n_kv·d, r]
+    o: torch.Tensor  # [H, N·d]
+    k_rope_bias: torch.Tensor | None = None  # [R]
+    o_bias: torch.Tensor | None = None  # [H], W_o·b_v (+ the source's o bias)
+    k_nope_target: torch.Tensor | None = None  # [n_kv·d, H] the key remainders up_k·down approximates
+
+    def trainable(self) -> dict[str, torch.Tensor]:
+        return {"q_nope": self.q_nope, "q_rope": self.q_rope, "down": self.down, "k_rope": self.k_rope,
+                "up_k": self.up_k, "up_v": self.up_v}
 
 
 @dataclass

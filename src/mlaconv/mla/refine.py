@@ -16,11 +16,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from mlaconv.mla.attention import LatentAttention
+from mlaconv.mla.layer import LatentAttention
 
+from mlaconv.mla.forward import causal_attention, rms_norm
 from mlaconv.mla.layer import AttentionShape
 from mlaconv.mla.rope import rotate_interleaved
-from mlaconv.mla.forward import causal_attention, rms_norm
 
 CHECK_EVERY = 10  # steps between two measurements on the select windows
 REFINE_LR = 3e-2  # relative learning rate to start from (with BACKOFF; bench/refine/README.md, issue 16)

@@ -209,12 +209,6 @@ def target_rope_scaling(rope_scaling: dict | None, kept: torch.Tensor) -> dict |
             "long_factor": [rope_scaling["long_factor"][j] for j in picked], "attention_factor": 1.0}
 
 
-def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """DeepSeek's RoPE on interleaved pairs (2i, 2i+1) of x [..., S, R]; cos/sin [S, R/2]."""
-    a, b = x[..., 0::2], x[..., 1::2]
-    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
-
-
 @dataclass(frozen=True)
 class UnrotationLoss:
     """What the key remainders' lost rotation costs the scores, with and without the mean-rotation stand-in.
@@ -257,3 +251,39 @@ def score_loss(error: torch.Tensor, total: float, mean: torch.Tensor) -> Unrotat
     scale = 1 / total if total > 0 else 0.0
     return UnrotationLoss(compensated_per_frequency=(compensated.sum(-1) * scale).tolist(),
                           compensated=compensated.sum().item() * scale, uncompensated=uncompensated.sum().item() * scale)
+
+
+# --- applying RoPE: every rotation mlaconv computes (calibration, refinement, the runtime, the benches) is one of these
+
+
+def position_angles(positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Angles pos·ω [S, F] for the given positions [S], in float64 (exact for the positions; the caller casts)."""
+    return positions.to(torch.float64)[:, None] * freqs.to(device=positions.device, dtype=torch.float64)[None]
+
+
+def rope_angles(freqs: torch.Tensor, length: int) -> torch.Tensor:
+    """Angles pos·ω [S, F] for positions 0..S-1 (float64 for exactness, cast by the caller)."""
+    return position_angles(torch.arange(length), freqs)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of pos·inv_freq, each [S, R/2], computed in float64 then cast to ``dtype``."""
+    angles = position_angles(positions, inv_freq)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the (source's) rotate-half layout: pair j = (x[j], x[j + d/2]) of x [..., S, d]; cos/sin [S, d/2]."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rotate_half_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """``rotate_half`` by angles [S, d/2] (cast to x's dtype)."""
+    return rotate_half(x, angles.cos().to(x.dtype), angles.sin().to(x.dtype))
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's RoPE on interleaved pairs (2i, 2i+1) of x [..., S, R]; cos/sin [S, R/2]."""
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)

@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
-from mlaconv.mla import metric as metric_math
 from mlaconv.mla import rope
-from mlaconv.mla.layer import AttentionShape, LayerOptions, LayerStats
-
-if TYPE_CHECKING:
-    from mlaconv.mla.attention import LatentAttention
+from mlaconv.mla import metric as metric_math
+from mlaconv.mla.layer import AttentionShape, LatentAttention, LayerOptions, LayerStats
 
 
 def layer_frequencies(shape: AttentionShape, options: LayerOptions, rotated: bool = True) -> torch.Tensor:
@@ -134,7 +130,7 @@ def closed_form_slots(q: torch.Tensor, mix: rope.HeadMix, choice: rope.RopeChoic
     return RotatedSlots(kept, mix.a[kept][:, group_of_head].conj()[:, :, None] * zq, shared)
 
 
-def latent_slots(latent: "LatentAttention", shape: AttentionShape, rope_dim: int,
+def latent_slots(latent: LatentAttention, shape: AttentionShape, rope_dim: int,
                  frequencies: torch.Tensor) -> RotatedSlots:
     """The rotated part of a compact layer (closed form or refined): its interleaved q_rope [N·R, H] and k_rope
     [R, H] rows as complex slots, the query without the √((d+R)/d) its rows carry for the softmax scale."""

@@ -10,22 +10,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mlaconv.target.absorb import AbsorbedAttention
-from mlaconv.target.deepseek import MLAShape
-from mlaconv.mla.layer import MLAAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
+from mlaconv.mla.layer import MLAAttention, MLAShape
 from mlaconv.mla.rope import rotate_interleaved
+from mlaconv.target.absorb import AbsorbedAttention
 
 
 def widened(x: torch.Tensor) -> torch.Tensor:
     """x in float32 at least (softmax and mean squares of bf16 activations run in float32; float64 stays)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of pos·inv_freq, each [S, R/2], computed in float64 then cast to ``dtype``."""
-    angles = positions.to(torch.float64)[:, None] * inv_freq.to(device=positions.device, dtype=torch.float64)[None]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def causal_mask(new: int, total: int, device: torch.device) -> torch.Tensor | None:

@@ -28,17 +28,16 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from mlaconv.target.absorb import absorb_attention
-from mlaconv.target.deepseek import MLAShape
-from mlaconv.mla.layer import AttentionShape, MLAAttention
+from mlaconv.devices import DTYPES
 from mlaconv.errors import MlaconvError
-from mlaconv.io import models
-from mlaconv.mla.rope import rotate_interleaved
+from mlaconv.mla.layer import AttentionShape, MLAAttention, MLAShape
+from mlaconv.mla.rope import rope_cos_sin, rotate_half, rotate_interleaved
 from mlaconv.progress import Progress, no_progress
 from mlaconv.runtime.attention import (absorbed_attention, attend_latent, expanded_attention, latent_rows,
-                                       rope_cos_sin, standard_latent_rows)
+                                       standard_latent_rows)
+from mlaconv.target.absorb import absorb_attention
 
-DTYPES = {name: models.DTYPES[name] for name in ("float32", "bfloat16")}  # the dtypes timed
+TIMED_DTYPES = {name: DTYPES[name] for name in ("float32", "bfloat16")}  # the dtypes timed
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768)
 ROPE_THETA = 10000.0
 
@@ -55,7 +54,7 @@ def _randn(*size: int, dtype: torch.dtype, device: str, generator: torch.Generat
     return (torch.randn(*size, generator=generator) * scale).to(device=device, dtype=dtype)
 
 
-class SourceLayer:
+class SourceDecodeLayer:
     """(a) Llama attention at decode: q/k/v projections, rotate-half RoPE, full K/V cache, SDPA, o_proj."""
 
     def __init__(self, shape: AttentionShape, context: int, dtype: torch.dtype, device: str, generator: torch.Generator):
@@ -69,13 +68,11 @@ class SourceLayer:
         self.keys = _randn(1, G, context, d, dtype=dtype, device=device, generator=generator)  # [1, n_kv, T, d]
         self.values = _randn(1, G, context, d, dtype=dtype, device=device, generator=generator)
         freqs = ROPE_THETA ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-        cos, sin = rope_cos_sin(torch.tensor([context - 1]), freqs, dtype)  # [1, d/2]
-        self.cos, self.sin = torch.cat([cos, cos], -1).to(device), torch.cat([sin, sin], -1).to(device)  # [1, d]
+        self.cos, self.sin = (t.to(device) for t in rope_cos_sin(torch.tensor([context - 1]), freqs, dtype))  # [1, d/2]
         self.query = _randn(1, N, 1, d, dtype=dtype, device=device, generator=generator)
 
     def _rope(self, x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * self.cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * self.sin
+        return rotate_half(x, self.cos, self.sin)
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
         s = self.shape
@@ -229,7 +226,7 @@ class Timer:
 class BenchOptions:
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS
     shapes: tuple[str, ...] = tuple(SHAPES)
-    dtypes: tuple[str, ...] = tuple(DTYPES)
+    dtypes: tuple[str, ...] = tuple(TIMED_DTYPES)
     devices: tuple[str, ...] | None = None  # default: cpu, and cuda when present
     repeats: int = 5
     warmup: int = 1
@@ -264,9 +261,10 @@ def run_decode_bench(options: BenchOptions, progress: Progress = no_progress) ->
     rows = []
     total = len(devices) * len(options.dtypes) * len(options.contexts)
     for timer, device, dtype_name, generator, std, context in progress(settings(), "timing decode steps", total):
-        dtype = DTYPES[dtype_name]
+        dtype = TIMED_DTYPES[dtype_name]
         mla = MLALayers(MLA_SHAPE, std, context, dtype, device, generator)
-        sources = {name: SourceLayer(SHAPES[name][1], context, dtype, device, generator) for name in options.shapes}
+        sources = {name: SourceDecodeLayer(SHAPES[name][1], context, dtype, device, generator)
+                   for name in options.shapes}
         x = _randn(1, 1, MLA_SHAPE.hidden, dtype=dtype, device=device, generator=generator)
         steps = {"absorbed": lambda: mla.absorbed_step(x), "factored": lambda: mla.factored_step(x),
                  "absorbed_core": mla.core_step}
@@ -282,7 +280,7 @@ def run_decode_bench(options: BenchOptions, progress: Progress = no_progress) ->
     return {"environment": environment(devices, options), "rows": rows}
 
 
-def _row(shape_name: str, label: str, device: str, dtype_name: str, context: int, source: SourceLayer,
+def _row(shape_name: str, label: str, device: str, dtype_name: str, context: int, source: SourceDecodeLayer,
          mla: MLALayers, times: dict[str, float]) -> dict:
     ideal = source.cache_bytes() / mla.cache_bytes()
     speedup = times[shape_name] / times["absorbed"]

@@ -13,20 +13,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mlaconv.target import deepseek
-from mlaconv.target.deepseek import MLAShape
-from mlaconv.target.absorb import (ABSORBED_DIR, MANIFEST, AbsorbedAttention, RopeSpec, check_config,
-                            checked_absorb, read_absorbed_layer, read_absorbed_manifest)
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, read_config
-from mlaconv.conversion.pipeline import checkpoint_layers
-from mlaconv.runtime.attention import absorbed_attention, latent_rows, rope_cos_sin, widened
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """DeepSeek-V3's RMSNorm: mean square in float32 (or wider), cast back, then the weight."""
-    wide = widened(x)
-    return weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+from mlaconv.mla.forward import rms_norm
+from mlaconv.mla.layer import MLAShape
+from mlaconv.mla.rope import rope_cos_sin
+from mlaconv.runtime.attention import absorbed_attention, latent_rows
+from mlaconv.source import names
+from mlaconv.target.absorb import (ABSORBED_DIR, MANIFEST, AbsorbedAttention, RopeSpec, check_config, checked_absorb,
+                                   read_absorbed_layer, read_absorbed_manifest)
+from mlaconv.target.deepseek import checkpoint_layers
 
 
 class LatentCache:
@@ -133,8 +129,8 @@ class LatentDecoder:
                 gate=get(p + "mlp.gate_proj.weight"), up=get(p + "mlp.up_proj.weight"),
                 down=get(p + "mlp.down_proj.weight"),
             ))
-        model = cls(shape, RopeSpec.from_config(config), float(config["rms_norm_eps"]), get(deepseek.EMBED), layers,
-                    get(deepseek.FINAL_NORM), get(deepseek.LM_HEAD))
+        model = cls(shape, RopeSpec.from_config(config), float(config["rms_norm_eps"]), get(names.EMBED), layers,
+                    get(names.FINAL_NORM), get(names.LM_HEAD))
         reader.close()
         if absorbed_reader is not None:
             absorbed_reader.close()
@@ -153,10 +149,10 @@ class LatentDecoder:
         cos, sin = rope_cos_sin(positions, self.rope.inv_freq, self.dtype)  # [S, R/2]
         h = F.embedding(tokens, self.embed)  # [B, S, H]
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, self.eps)
+            x = rms_norm(h, layer.input_norm, self.eps, in_dtype=True)
             rows = cache.write(i, latent_rows(layer.attention, x, cos, sin, self.shape.rank))  # [B, T, r+R]
             h = h + absorbed_attention(layer.attention, x, rows, cos, sin, self.shape)
-            x = rms_norm(h, layer.post_attention_norm, self.eps)
+            x = rms_norm(h, layer.post_attention_norm, self.eps, in_dtype=True)
             h = h + F.linear(F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)
         cache.advance(S)
-        return F.linear(rms_norm(h, self.final_norm, self.eps), self.lm_head)
+        return F.linear(rms_norm(h, self.final_norm, self.eps, in_dtype=True), self.lm_head)

@@ -1,4 +1,6 @@
-"""Source families whose tensors differ from Llama's, as small hooks (llama.cpp's convert_hf_to_gguf.py shape).
+"""The family table: one class per supported family, registered beside its hooks (``@register``, the shape of
+llama.cpp's convert_hf_to_gguf.py), and why each family we refuse is refused (``REFUSED``); ``family_for`` looks a
+``model_type`` up. Adding a family that shares Llama's layout is one registered class.
 
 Everything downstream of ``SourceWeights`` sees one canonical layout, Llama's: ``q_proj``/``k_proj``/
 ``v_proj``/``o_proj``, a SwiGLU MLP and two RMSNorms per layer, rotate-half RoPE over the whole head,
@@ -21,35 +23,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import Callable, Literal, Protocol
 
 import torch
 
 from mlaconv.errors import MlaconvError
-from mlaconv.mla import qk_norm
-from mlaconv.mla.layer import SourceAttention
-from mlaconv.mla.forward import MLPWeights
-
-if TYPE_CHECKING:
-    from mlaconv.source.spec import SourceSpec
-    from mlaconv.io.reader import StoredTensor
+from mlaconv.source.names import (B, DOWN, EMBED, GATE, INPUT_NORM, K, K_NORM, LM_HEAD, O, POST_ATTENTION_NORM, Q,
+                                  Q_NORM, UP, V, W, layer_name)
 
 BiasRule = Literal["never", "always", "config"]
 
-# Canonical tensor names: Llama's, which are also DeepSeek-V3's for the embedding, head, norms and MLP.
-EMBED = "model.embed_tokens.weight"
-FINAL_NORM = "model.norm.weight"
-LM_HEAD = "lm_head.weight"
-Q, K, V, O = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"
-GATE, UP, DOWN = "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"
-INPUT_NORM = "input_layernorm.weight"
-Q_NORM, K_NORM = "self_attn.q_norm.weight", "self_attn.k_norm.weight"
-POST_ATTENTION_NORM = "post_attention_layernorm.weight"
-W, B = ".weight", ".bias"
 
+class SourceDims(Protocol):
+    """What a family's hooks read of a source: ``source.spec.SourceSpec`` has these, built from this table."""
 
-def layer_name(i: int, key: str) -> str:
-    return f"model.layers.{i}.{key}"
+    config: dict
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    qkv_bias: bool
+    o_bias: bool
 
 
 Reader = Callable[..., torch.Tensor]  # get(name, keep=False): a checkpoint tensor; keep: a fused one, read once
@@ -75,7 +70,7 @@ class Family:
         """Which layers apply RoPE (all of them, unless the family says otherwise)."""
         return (True,) * layers
 
-    def layer_shapes(self, spec: "SourceSpec") -> dict[str, tuple[int, ...]]:
+    def layer_shapes(self, spec: SourceDims) -> dict[str, tuple[int, ...]]:
         """The checkpoint's per-layer tensors (names relative to the layer) and their shapes."""
         H, N, G, d, F = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
         shapes = {Q + W: (N * d, H), K + W: (G * d, H), V + W: (G * d, H), O + W: (H, N * d),
@@ -88,19 +83,19 @@ class Family:
             shapes.update({Q_NORM: (d,), K_NORM: (d,)})
         return shapes
 
-    def read(self, get: Reader, spec: "SourceSpec", i: int | None, key: str) -> torch.Tensor:
+    def read(self, get: Reader, spec: SourceDims, i: int | None, key: str) -> torch.Tensor:
         """The canonical tensor ``key`` (of layer ``i``; top level when None) from the checkpoint."""
         return get(self.stored_name(spec, i, key))
 
-    def stored_name(self, spec: "SourceSpec", i: int | None, key: str) -> str | None:
+    def stored_name(self, spec: SourceDims, i: int | None, key: str) -> str | None:
         """The checkpoint tensor that ``read`` returns whole for ``key`` (None: it is sliced out of another)."""
         return key if i is None else layer_name(i, key)
 
-    def factor(self, spec: "SourceSpec", key: str) -> float:
+    def factor(self, spec: SourceDims, key: str) -> float:
         """What the family multiplies around canonical tensor ``key`` (nothing for Llama's layout)."""
         return 1.0
 
-    def modify(self, spec: "SourceSpec", key: str, tensor: torch.Tensor) -> torch.Tensor:
+    def modify(self, spec: SourceDims, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """Fold ``factor`` into the tensor (the tensor itself when it is 1)."""
         factor = self.factor(spec, key)
         if factor == 1.0:
@@ -108,24 +103,60 @@ class Family:
         return tensor.to(torch.promote_types(tensor.dtype, torch.float32)) * factor
 
 
+FAMILIES: list[Family] = []  # the family table, in registration order
+
+
+def register(label: str, *model_types: str, **settings):
+    """Register the decorated ``Family`` class for ``model_types`` (llama.cpp's ``@ModelBase.register``): its one
+    instance, labelled ``label`` and set up with ``settings``, joins ``FAMILIES``. A family that shares Llama's layout
+    is a class with a docstring; one that differs overrides the hooks above."""
+    def add(cls: type[Family]) -> type[Family]:
+        FAMILIES.append(cls(label, model_types, **settings))
+        return cls
+
+    return add
+
+
+@register("Llama", "llama", qkv_bias="config", o_bias="config")
+class Llama(Family):
+    """Llama 1/2/3.x: the canonical layout itself."""
+
+
+@register("Mistral", "mistral")
+class Mistral(Family):
+    """Mistral: Llama's layout without biases."""
+
+
+@register("Ministral", "ministral")
+class Ministral(Family):
+    """Ministral: Llama's layout without biases."""
+
+
+@register("Qwen2", "qwen2", qkv_bias="always", sliding_window_flag="use_sliding_window")
+class Qwen2(Family):
+    """Qwen2/2.5: q, k and v biases always; sliding windows only where ``use_sliding_window`` turns them on."""
+
+
 _PHI3_FUSED = {Q + W: ("self_attn.qkv_proj.weight", 0), K + W: ("self_attn.qkv_proj.weight", 1),
                V + W: ("self_attn.qkv_proj.weight", 2), GATE: ("mlp.gate_up_proj.weight", 0),
                UP: ("mlp.gate_up_proj.weight", 1)}
 
 
+@register("Phi-3", "phi3", partial_rotary=True,
+          upstreamed_code=("configuration_phi3.Phi3Config", "modeling_phi3.Phi3ForCausalLM"))
 @dataclass(frozen=True)
 class Phi3(Family):
     """Phi-3/3.5/4-mini: q, k, v fused row-wise in ``qkv_proj`` and gate, up in ``gate_up_proj``."""
 
-    def layer_shapes(self, spec: "SourceSpec") -> dict[str, tuple[int, ...]]:
+    def layer_shapes(self, spec: SourceDims) -> dict[str, tuple[int, ...]]:
         H, N, G, d, F = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
         shapes = {k: v for k, v in super().layer_shapes(spec).items() if k not in _PHI3_FUSED}
         return shapes | {"self_attn.qkv_proj.weight": ((N + 2 * G) * d, H), "mlp.gate_up_proj.weight": (2 * F, H)}
 
-    def stored_name(self, spec: "SourceSpec", i: int | None, key: str) -> str | None:
+    def stored_name(self, spec: SourceDims, i: int | None, key: str) -> str | None:
         return None if i is not None and key in _PHI3_FUSED else super().stored_name(spec, i, key)
 
-    def read(self, get: Reader, spec: "SourceSpec", i: int | None, key: str) -> torch.Tensor:
+    def read(self, get: Reader, spec: SourceDims, i: int | None, key: str) -> torch.Tensor:
         if i is None or key not in _PHI3_FUSED:
             return super().read(get, spec, i, key)
         fused, part = _PHI3_FUSED[key]
@@ -135,6 +166,7 @@ class Phi3(Family):
         return get(layer_name(i, fused), keep=True)[start : start + rows[part]].clone()
 
 
+@register("Granite", "granite", qkv_bias="config", o_bias="config")
 @dataclass(frozen=True)
 class Granite(Family):
     """Granite: μP multipliers, each folded into the tensor it scales — embedding ×m_emb, softmax scale
@@ -147,7 +179,7 @@ class Granite(Family):
         for key in self.MULTIPLIERS:
             _multiplier(config, key)
 
-    def factor(self, spec: "SourceSpec", key: str) -> float:
+    def factor(self, spec: SourceDims, key: str) -> float:
         c = spec.config
         residual = _multiplier(c, "residual_multiplier")
         query = _multiplier(c, "attention_multiplier") * math.sqrt(spec.head_dim)  # transformers: 1.0 if unset
@@ -162,6 +194,7 @@ def _multiplier(config: dict, key: str, default: float = 1.0) -> float:
     return float(value)
 
 
+@register("SmolLM3", "smollm3", qkv_bias="config", o_bias="config", sliding_window_flag="use_sliding_window")
 @dataclass(frozen=True)
 class SmolLM3(Family):
     """SmolLM3: Llama's layout, but some layers apply no RoPE (``no_rope_layers[i] == 0``; by default every
@@ -179,112 +212,74 @@ class SmolLM3(Family):
         return tuple(bool(f) for f in flags)
 
 
-class SourceWeights:
-    """The canonical (Llama-layout) tensors of a source checkpoint, read one group at a time.
-
-    The last fused tensor read is kept until the group is read (Phi-3's q, k and v come from one
-    ``qkv_proj``); every other tensor is read when asked for and owned by the caller.
-    """
-
-    def __init__(self, reader, spec: "SourceSpec"):
-        self.reader, self.spec, self.family = reader, spec, spec.family
-        self._fused: tuple[str, torch.Tensor] | None = None
-
-    def _get(self, name: str, keep: bool = False) -> torch.Tensor:
-        if not keep:
-            return self.reader.get(name)  # the reader refuses NaN and Inf
-        if self._fused is None or self._fused[0] != name:
-            self._fused = None
-            self._fused = (name, self.reader.get(name))
-        return self._fused[1]
-
-    def tensor(self, i: int | None, key: str) -> torch.Tensor:
-        """One canonical tensor: layer ``i``'s ``key`` (top level when None), read and folded."""
-        return self.family.modify(self.spec, key, self.family.read(self._get, self.spec, i, self._source_key(i, key)))
-
-    def stored(self, i: int | None, key: str, dtype: torch.dtype) -> "StoredTensor | None":
-        """Where the canonical tensor lies as it is, in ``dtype``, in the checkpoint, checked
-        (``CheckpointReader.stored``), for copying its bytes unread; None when the family slices or folds it, it is
-        in another dtype, or the checkpoint is a pickle."""
-        name = self.family.stored_name(self.spec, i, self._source_key(i, key))
-        if name is None or self.family.factor(self.spec, key) != 1.0 or self.reader.dtype(name) != dtype:
-            return None
-        return self.reader.stored(name)
-
-    def _source_key(self, i: int | None, key: str) -> str:
-        """Tied weights: the head is the raw embedding."""
-        return EMBED if i is None and key == LM_HEAD and LM_HEAD not in self.reader else key
-
-    def release(self) -> None:
-        self._fused = None
-
-    def attention(self, i: int) -> SourceAttention:
-        """Layer i's attention in the canonical layout (see ``canonical_rope``), its input norm γ included."""
-        s = self.spec
-
-        def bias(key: str, present: bool) -> torch.Tensor | None:
-            return self.tensor(i, key) if present and layer_name(i, key) in self.reader else None
-
-        norms = self.family.qk_norm  # the query's RoPE factor then goes after the norm, on its weight
-        q, q_bias = canonical_rope(s, self.tensor(i, Q + W), bias(Q + B, s.qkv_bias), query=not norms)
-        k, k_bias = canonical_rope(s, self.tensor(i, K + W), bias(K + B, s.qkv_bias), query=False)
-        q_norm = k_norm = None
-        if norms:  # one head's weight [d], reordered like the head's rows
-            q_norm = canonical_rope(s, self.tensor(i, Q_NORM)[:, None], None, query=True)[0][:, 0]
-            k_norm = canonical_rope(s, self.tensor(i, K_NORM)[:, None], None, query=False)[0][:, 0]
-        attention = SourceAttention(
-            q=q, k=k, v=self.tensor(i, V + W), o=self.tensor(i, O + W), input_norm=self.tensor(i, INPUT_NORM),
-            q_bias=q_bias, k_bias=k_bias, v_bias=bias(V + B, s.qkv_bias), o_bias=bias(O + B, s.o_bias),
-            rotated=s.rope_layers[i], q_norm=q_norm, k_norm=k_norm, qk_norm_eps=s.rms_norm_eps,
-        )
-        self.release()
-        return attention
-
-    def key(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's canonical key projection and input norm γ (what the rope stride is chosen from); with QK-norm,
-        its weights-only linear stand-in."""
-        k, _ = canonical_rope(self.spec, self.tensor(i, K + W), None, query=False)
-        gamma = self.tensor(i, INPUT_NORM)
-        if self.family.qk_norm:
-            norm = canonical_rope(self.spec, self.tensor(i, K_NORM)[:, None], None, query=False)[0][:, 0]
-            k = qk_norm.weights_only_keys(k, norm, gamma)
-        self.release()
-        return k, gamma
-
-    def mlp(self, i: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> MLPWeights:
-        """Layer i's MLP and its pre-norm, each tensor moved to ``device``/``dtype`` as it is read."""
-        def get(key: str) -> torch.Tensor:
-            return self.tensor(i, key).to(device=device, dtype=dtype)
-
-        weights = MLPWeights(gate=get(GATE), up=get(UP), down=get(DOWN), post_attention_norm=get(POST_ATTENTION_NORM))
-        self.release()
-        return weights
+@register("Qwen3", "qwen3", qkv_bias="config", o_bias="config", sliding_window_flag="use_sliding_window", qk_norm=True)
+class Qwen3(Family):
+    """Qwen3: Llama's layout with a per-head RMSNorm on the queries and keys (``qk_norm``); calibrated only."""
 
 
-def canonical_rope(spec: "SourceSpec", w: torch.Tensor, bias: torch.Tensor | None,
-                   query: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Query or key rows [heads·d, H] in rotate-half pairs over the whole head, with their bias.
+# What the DeepSeek-V3 block cannot hold, by feature; REFUSED names them per model_type.
+QK_NORM = "RMSNorm on the queries and keys (q_norm, k_norm) before RoPE"
+QK_NORM_ALONE = "its per-head q/k RMSNorm alone would convert with calibration, as Qwen3's does"
+POST_NORMS = "norms on the attention and MLP outputs (post-norms), which the DeepSeek-V3 block has no place for"
+LAYER_NORM = "LayerNorm (mean-subtracting) where DeepSeek-V3 has RMSNorm"
+PARALLEL = "a parallel block (attention and MLP read the same input), where DeepSeek-V3 runs them in sequence"
+GELU_MLP = "a non-gated GELU MLP, where DeepSeek-V3's is SwiGLU"
+GEGLU = ("a GeGLU MLP (gelu_pytorch_tanh): vLLM's and SGLang's DeepSeek-V3 MLP is SiLU only (transformers' "
+         "follows hidden_act), so no MLA engine would serve it")
+SLIDING = "sliding-window layers"
+SOFTCAP = "attention-logit and final-logit soft-capping (tanh)"
+MOE = "mixture-of-experts layers (not handled)"
+LEARNED_POSITIONS = "learned absolute position embeddings instead of RoPE"
+ALIBI = "ALiBi position biases instead of RoPE"
+RELU2 = "a non-gated ReLU² MLP, where DeepSeek-V3's is SwiGLU"
 
-    Partial rotary (the first d_rot dims rotate, pairs (j, j + d_rot/2); the rest pass) becomes pairs
-    (j, j + d/2) over the whole head whose last (d − d_rot)/2 pairs have frequency 0: the rows are
-    reordered per head, identically for q and k, so q·k is unchanged. The query's rotated rows carry the
-    RoPE attention factor squared (LongRoPE scales cos and sin, hence both q and k, on rotated dims only).
-    """
-    d, rot = spec.head_dim, spec.rotary_dim
-    factor = spec.rope_attention_factor**2 if query else 1.0
-    if rot == d and factor == 1.0:
-        return w, bias
-    half, passing = rot // 2, (d - rot) // 2
-    order = torch.cat([torch.arange(half), rot + torch.arange(passing), half + torch.arange(half),
-                       rot + passing + torch.arange(passing)])
-    scale = torch.ones(d)
-    scale[:half] = scale[d // 2 : d // 2 + half] = factor  # the rotated pairs, after the reordering
+REFUSED: dict[str, str] = {
+    "qwen3_moe": f"Qwen3-MoE has {MOE} ({QK_NORM_ALONE})",
+    "olmo2": f"OLMo-2 has {POST_NORMS}, and {QK_NORM} over all heads at once (mlaconv fits per-head QK-norm only)",
+    "olmo3": f"OLMo-3 has {POST_NORMS}, {SLIDING}, and {QK_NORM} over all heads at once",
+    "exaone4": f"EXAONE-4 has {POST_NORMS} and {SLIDING} ({QK_NORM_ALONE})",
+    "gemma": ("Gemma's √hidden embedding scale and (1 + w) RMSNorms would fold exactly into the weights, but it has "
+              f"{GEGLU}"),
+    "gemma2": f"Gemma-2 has {SOFTCAP}, {POST_NORMS}, {SLIDING} and {GEGLU}",
+    "gemma3_text": f"Gemma-3 has {POST_NORMS}, {SLIDING} and {GEGLU} ({QK_NORM_ALONE})",
+    "gemma3": f"Gemma-3 has {POST_NORMS}, {SLIDING} and {GEGLU} ({QK_NORM_ALONE})",
+    "olmo": "OLMo-1 uses a non-parametric LayerNorm (mean-subtracting, no weight) where DeepSeek-V3 has RMSNorm",
+    "cohere": f"Command-R (Cohere) uses {LAYER_NORM}, {PARALLEL}, and a logit scale",
+    "cohere2": f"Command-R7B (Cohere2) uses {LAYER_NORM}, {PARALLEL}, and {SLIDING}",
+    "stablelm": f"StableLM uses {LAYER_NORM} with biases (and optionally {PARALLEL} and per-head q/k LayerNorms)",
+    "gpt_neox": f"GPT-NeoX uses {LAYER_NORM} with biases, {PARALLEL} and {GELU_MLP}",
+    "falcon": f"Falcon uses {LAYER_NORM} with biases, {PARALLEL} and {GELU_MLP} (some checkpoints also ALiBi)",
+    "phi": f"Phi-1/2 uses {LAYER_NORM} with biases, {PARALLEL} and {GELU_MLP}",
+    "gptj": f"GPT-J uses {LAYER_NORM} with biases, {PARALLEL} and {GELU_MLP}",
+    "starcoder2": f"StarCoder2 uses {LAYER_NORM} with biases, {GELU_MLP} and {SLIDING}",
+    "nemotron": f"Nemotron uses LayerNorm1P (mean-subtracting, 1 + w) and {RELU2}",
+    "arcee": f"Arcee (AFM) uses {RELU2}",
+    "gpt2": f"GPT-2 uses {LEARNED_POSITIONS}, {LAYER_NORM} and {GELU_MLP}",
+    "opt": f"OPT uses {LEARNED_POSITIONS}, {LAYER_NORM} and a ReLU MLP",
+    "bloom": f"BLOOM uses {ALIBI}, {LAYER_NORM} and {GELU_MLP}",
+    "mpt": f"MPT uses {ALIBI}, {LAYER_NORM} and {GELU_MLP}",
+    "mixtral": f"Mixtral has {MOE}",
+    "qwen2_moe": f"Qwen2-MoE has {MOE}",
+    "olmoe": f"OLMoE has {MOE}",
+    "phimoe": f"PhiMoE has {MOE}",
+    "granitemoe": f"Granite-MoE has {MOE}",
+    "llama4": f"Llama-4 has {MOE}, chunked attention and per-layer NoPE with QK norms",
+    "deepseek_v2": "it already is an MLA model",
+    "deepseek_v3": "it already is an MLA model",
+}
 
-    def reorder(t: torch.Tensor) -> torch.Tensor:
-        heads = t.shape[0] // d
-        t = t.reshape(heads, d, *t.shape[1:])[:, order]
-        if factor != 1.0:
-            t = t.to(torch.promote_types(t.dtype, torch.float32)) * scale.view(d, *[1] * (t.dim() - 2))
-        return t.reshape(heads * d, *t.shape[2:])
+SUPPORTED_TEXT = ("supported: Llama (1/2/3.x), Mistral, Ministral, Qwen2/2.5, Phi-3/3.5/4-mini, Granite (3.x), "
+                  "SmolLM3 (MHA, GQA or MQA); Qwen3 with calibration")
+QK_NORM_NEEDS_CALIBRATION = (
+    "{label} RMS-normalises each query and key head (q_norm, k_norm) before RoPE, which no weights-only conversion "
+    "can express: it needs calibration data (--calib FILE or --calib-dataset NAME) to fit and measure a linear "
+    "stand-in")
 
-    return reorder(w), None if bias is None else reorder(bias)
+
+def family_for(model_type: str) -> Family:
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    if model_type in REFUSED:
+        raise MlaconvError(f"cannot convert model_type {model_type!r}: {REFUSED[model_type]}; {SUPPORTED_TEXT}")
+    raise MlaconvError(f"unsupported architecture {model_type!r}; {SUPPORTED_TEXT}")

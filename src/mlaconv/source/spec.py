@@ -1,105 +1,26 @@
-"""Source architectures as data: the table of families we convert, and why each one we refuse is refused.
-
-A supported family is an entry in ``FAMILIES`` (its hooks live in ``mlaconv.source.families``); adding one
-that shares Llama's layout is one line. ``SourceSpec.from_config`` turns a ``config.json`` into the
-normalised shapes the converter needs, and refuses, in one line and with the reason, anything whose
-computation the DeepSeek-V3 layout cannot hold.
+"""A source model as data: ``SourceSpec.from_config`` turns a ``config.json`` into the normalised shapes the
+converter needs, and refuses, in one line and with the reason, anything whose computation the DeepSeek-V3 layout
+cannot hold (the family table and the refused families are in ``families``); ``load_source`` opens one.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from mlaconv.devices import DTYPES
 from mlaconv.errors import MlaconvError
-from mlaconv.io.models import DTYPES
-from mlaconv.source.families import EMBED, FINAL_NORM, LM_HEAD, BiasRule, Family, Granite, Phi3, SmolLM3, layer_name
+from mlaconv.io import CheckpointReader, read_config, resolve_source
 from mlaconv.mla import rope
 from mlaconv.mla.layer import AttentionShape
+from mlaconv.source.families import BiasRule, Family, family_for
+from mlaconv.source.names import EMBED, FINAL_NORM, LM_HEAD, layer_name
 
-FAMILIES: tuple[Family, ...] = (
-    Family("Llama", ("llama",), qkv_bias="config", o_bias="config"),
-    Family("Mistral", ("mistral",)),
-    Family("Ministral", ("ministral",)),
-    Family("Qwen2", ("qwen2",), qkv_bias="always", sliding_window_flag="use_sliding_window"),
-    Phi3("Phi-3", ("phi3",), partial_rotary=True,
-         upstreamed_code=("configuration_phi3.Phi3Config", "modeling_phi3.Phi3ForCausalLM")),
-    Granite("Granite", ("granite",), qkv_bias="config", o_bias="config"),
-    SmolLM3("SmolLM3", ("smollm3",), qkv_bias="config", o_bias="config", sliding_window_flag="use_sliding_window"),
-    Family("Qwen3", ("qwen3",), qkv_bias="config", o_bias="config", sliding_window_flag="use_sliding_window",
-           qk_norm=True),
-)
-
-# What the DeepSeek-V3 block cannot hold, by feature; REFUSED names them per model_type.
-QK_NORM = "RMSNorm on the queries and keys (q_norm, k_norm) before RoPE"
-QK_NORM_ALONE = "its per-head q/k RMSNorm alone would convert with calibration, as Qwen3's does"
-POST_NORMS = "norms on the attention and MLP outputs (post-norms), which the DeepSeek-V3 block has no place for"
-LAYER_NORM = "LayerNorm (mean-subtracting) where DeepSeek-V3 has RMSNorm"
-PARALLEL = "a parallel block (attention and MLP read the same input), where DeepSeek-V3 runs them in sequence"
-GELU_MLP = "a non-gated GELU MLP, where DeepSeek-V3's is SwiGLU"
-GEGLU = ("a GeGLU MLP (gelu_pytorch_tanh): vLLM's and SGLang's DeepSeek-V3 MLP is SiLU only (transformers' "
-         "follows hidden_act), so no MLA engine would serve it")
-SLIDING = "sliding-window layers"
-SOFTCAP = "attention-logit and final-logit soft-capping (tanh)"
-MOE = "mixture-of-experts layers (not handled)"
-LEARNED_POSITIONS = "learned absolute position embeddings instead of RoPE"
-ALIBI = "ALiBi position biases instead of RoPE"
-RELU2 = "a non-gated ReLU² MLP, where DeepSeek-V3's is SwiGLU"
-
-REFUSED: dict[str, str] = {
-    "qwen3_moe": f"Qwen3-MoE has {MOE} ({QK_NORM_ALONE})",
-    "olmo2": f"OLMo-2 has {POST_NORMS}, and {QK_NORM} over all heads at once (mlaconv fits per-head QK-norm only)",
-    "olmo3": f"OLMo-3 has {POST_NORMS}, {SLIDING}, and {QK_NORM} over all heads at once",
-    "exaone4": f"EXAONE-4 has {POST_NORMS} and {SLIDING} ({QK_NORM_ALONE})",
-    "gemma": ("Gemma's √hidden embedding scale and (1 + w) RMSNorms would fold exactly into the weights, but it has "
-              f"{GEGLU}"),
-    "gemma2": f"Gemma-2 has {SOFTCAP}, {POST_NORMS}, {SLIDING} and {GEGLU}",
-    "gemma3_text": f"Gemma-3 has {POST_NORMS}, {SLIDING} and {GEGLU} ({QK_NORM_ALONE})",
-    "gemma3": f"Gemma-3 has {POST_NORMS}, {SLIDING} and {GEGLU} ({QK_NORM_ALONE})",
-    "olmo": "OLMo-1 uses a non-parametric LayerNorm (mean-subtracting, no weight) where DeepSeek-V3 has RMSNorm",
-    "cohere": f"Command-R (Cohere) uses {LAYER_NORM}, {PARALLEL}, and a logit scale",
-    "cohere2": f"Command-R7B (Cohere2) uses {LAYER_NORM}, {PARALLEL}, and {SLIDING}",
-    "stablelm": f"StableLM uses {LAYER_NORM} with biases (and optionally {PARALLEL} and per-head q/k LayerNorms)",
-    "gpt_neox": f"GPT-NeoX uses {LAYER_NORM} with biases, {PARALLEL} and {GELU_MLP}",
-    "falcon": f"Falcon uses {LAYER_NORM} with biases, {PARALLEL} and {GELU_MLP} (some checkpoints also ALiBi)",
-    "phi": f"Phi-1/2 uses {LAYER_NORM} with biases, {PARALLEL} and {GELU_MLP}",
-    "gptj": f"GPT-J uses {LAYER_NORM} with biases, {PARALLEL} and {GELU_MLP}",
-    "starcoder2": f"StarCoder2 uses {LAYER_NORM} with biases, {GELU_MLP} and {SLIDING}",
-    "nemotron": f"Nemotron uses LayerNorm1P (mean-subtracting, 1 + w) and {RELU2}",
-    "arcee": f"Arcee (AFM) uses {RELU2}",
-    "gpt2": f"GPT-2 uses {LEARNED_POSITIONS}, {LAYER_NORM} and {GELU_MLP}",
-    "opt": f"OPT uses {LEARNED_POSITIONS}, {LAYER_NORM} and a ReLU MLP",
-    "bloom": f"BLOOM uses {ALIBI}, {LAYER_NORM} and {GELU_MLP}",
-    "mpt": f"MPT uses {ALIBI}, {LAYER_NORM} and {GELU_MLP}",
-    "mixtral": f"Mixtral has {MOE}",
-    "qwen2_moe": f"Qwen2-MoE has {MOE}",
-    "olmoe": f"OLMoE has {MOE}",
-    "phimoe": f"PhiMoE has {MOE}",
-    "granitemoe": f"Granite-MoE has {MOE}",
-    "llama4": f"Llama-4 has {MOE}, chunked attention and per-layer NoPE with QK norms",
-    "deepseek_v2": "it already is an MLA model",
-    "deepseek_v3": "it already is an MLA model",
-}
-
-SUPPORTED_TEXT = ("supported: Llama (1/2/3.x), Mistral, Ministral, Qwen2/2.5, Phi-3/3.5/4-mini, Granite (3.x), "
-                  "SmolLM3 (MHA, GQA or MQA); Qwen3 with calibration")
-QK_NORM_NEEDS_CALIBRATION = (
-    "{label} RMS-normalises each query and key head (q_norm, k_norm) before RoPE, which no weights-only conversion "
-    "can express: it needs calibration data (--calib FILE or --calib-dataset NAME) to fit and measure a linear "
-    "stand-in")
 _EXACT_ROPE_TYPES = {"default", "linear", "llama3", "longrope"}
 _CODE_KEYS = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")  # auto_map entries that would run model code
-
-
-def family_for(model_type: str) -> Family:
-    for family in FAMILIES:
-        if model_type in family.model_types:
-            return family
-    if model_type in REFUSED:
-        raise MlaconvError(f"cannot convert model_type {model_type!r}: {REFUSED[model_type]}; {SUPPORTED_TEXT}")
-    raise MlaconvError(f"unsupported architecture {model_type!r}; {SUPPORTED_TEXT}")
 
 
 @dataclass(frozen=True)
@@ -130,10 +51,6 @@ class SourceSpec:
     @property
     def attention_shape(self) -> AttentionShape:
         return AttentionShape(self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim)
-
-    @property
-    def kv_elements_per_token_per_layer(self) -> int:
-        return self.attention_shape.cache_elements
 
     def rope_frequencies(self, length: int | None = None) -> torch.Tensor:
         """ω of the rotating pairs [d_rot/2] in a rotated layer (LongRoPE: for sequences of ``length``)."""
@@ -337,3 +254,13 @@ def _dtype(config: dict) -> torch.dtype:
     if name not in table:
         raise MlaconvError(f"config.json: dtype {name!r} is not one mlaconv reads (float32, bfloat16, float16, float64)")
     return table[name]
+
+
+def load_source(source: str, revision: str | None = None,
+                allow_sliding_window: bool = False) -> tuple[Path, SourceSpec, CheckpointReader]:
+    """Resolve, validate and open a source checkpoint (headers only)."""
+    folder = resolve_source(source, revision)
+    spec = SourceSpec.from_config(read_config(folder), allow_sliding_window=allow_sliding_window)
+    reader = CheckpointReader(folder)
+    spec.check_tensors(reader)
+    return folder, spec, reader

@@ -36,16 +36,16 @@ from pathlib import Path
 import torch
 
 from mlaconv import __version__
-from mlaconv.target import deepseek
-from mlaconv.target.deepseek import MLAShape
-from mlaconv.source.spec import rope_settings
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, ShardedWriter, atomic_output_dir, read_config
 from mlaconv.io.writer import DEFAULT_SHARD_BYTES
 from mlaconv.mla import rope
-from mlaconv.mla.layer import MLAAttention
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
-from mlaconv.conversion.pipeline import checkpoint_layers
+from mlaconv.mla.layer import MLAAttention, MLAShape
+from mlaconv.source import names
+from mlaconv.source.spec import rope_settings
+from mlaconv.target import deepseek
+from mlaconv.target.deepseek import checkpoint_layers
 
 ABSORBED_DIR = "absorbed"
 MANIFEST = "absorbed.json"
@@ -193,7 +193,7 @@ def write_absorbed(checkpoint_folder: Path, out_subfolder: Path | None = None, *
     shape = MLAShape.from_config(config)
     rope_spec = RopeSpec.from_config(config)
     reader = CheckpointReader(folder)
-    out_dtype = dtype if dtype is not None else reader.dtype(deepseek.layer_prefix(0) + deepseek.Q_PROJ)
+    out_dtype = dtype if dtype is not None else reader.dtype(names.layer_prefix(0) + deepseek.Q_PROJ)
 
     bounds: list[float] = []
     with atomic_output_dir(out, force=force) as tmp:

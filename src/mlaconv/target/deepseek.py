@@ -1,7 +1,8 @@
 """The target format: a dense DeepSeek-V3 checkpoint that stock transformers, vLLM and SGLang load.
 
-Names, the config and one layer's attention tensor set (``attention_tensors``, ``read_attention``) live here;
-the numbers come from ``mlaconv.mla``. The config is written
+The attention tensor names (the others are Llama's, ``source.names``), the config, one layer's attention tensor set
+(``attention_tensors``, ``read_attention``) and the one loop over a converted checkpoint's layers
+(``checkpoint_layers``) live here; the numbers come from ``mlaconv.mla``. The config is written
 with the transformers 4.x rope keys (``rope_theta``/``rope_scaling``), which 5.x also reads, so one
 file loads in every version from 4.53 on.
 """
@@ -9,13 +10,15 @@ file loads in every version from 4.53 on.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-from mlaconv.source.spec import SourceSpec
 from mlaconv.io import CheckpointReader
-from mlaconv.mla.layer import MLAAttention, mla_cache_elements
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
+from mlaconv.mla.layer import MLAAttention
+from mlaconv.source.names import INPUT_NORM, layer_prefix
+from mlaconv.source.spec import SourceSpec
 
 ATTENTION = "self_attn."
 Q_PROJ = ATTENTION + "q_proj.weight"
@@ -26,20 +29,7 @@ KV_B_PROJ = ATTENTION + "kv_b_proj.weight"
 O_PROJ = ATTENTION + "o_proj.weight"
 O_BIAS = ATTENTION + "o_proj.bias"
 
-# Layer-level and top-level names are Llama's.
-EMBED = "model.embed_tokens.weight"
-FINAL_NORM = "model.norm.weight"
-LM_HEAD = "lm_head.weight"
-GATE_PROJ = "mlp.gate_proj.weight"
-UP_PROJ = "mlp.up_proj.weight"
-DOWN_PROJ = "mlp.down_proj.weight"
-INPUT_NORM = "input_layernorm.weight"
-POST_ATTENTION_NORM = "post_attention_layernorm.weight"
 N_ROUTED_EXPERTS = 8  # unused (every layer dense) but must be an int; 256 would trigger SGLang's MoE heuristics
-
-
-def layer_prefix(i: int) -> str:
-    return f"model.layers.{i}."
 
 
 def build_config(spec: SourceSpec, *, rank: int, rope_dim: int, rope_theta: float, rope_scaling: dict | None,
@@ -117,26 +107,23 @@ def read_attention(reader: CheckpointReader, i: int) -> MLAAttention:
 
 
 @dataclass(frozen=True)
-class MLAShape:
-    """A DeepSeek-V3 config's attention shape (P = qk_nope_head_dim, V = v_head_dim)."""
+class CheckpointLayer:
+    """Layer ``index`` of a converted DeepSeek-V3 checkpoint."""
 
-    hidden: int  # H
-    heads: int  # N
-    rank: int  # r
-    rope_dim: int  # R
-    nope_dim: int  # P
-    v_dim: int  # V
-
-    @classmethod
-    def from_config(cls, config: dict) -> "MLAShape":
-        return cls(hidden=int(config["hidden_size"]), heads=int(config["num_attention_heads"]),
-                   rank=int(config["kv_lora_rank"]), rope_dim=int(config["qk_rope_head_dim"]),
-                   nope_dim=int(config["qk_nope_head_dim"]), v_dim=int(config["v_head_dim"]))
+    index: int
+    reader: CheckpointReader
 
     @property
-    def cache_elements(self) -> int:
-        return mla_cache_elements(self.rank, self.rope_dim)
+    def prefix(self) -> str:
+        """The layer's tensor names start with this."""
+        return layer_prefix(self.index)
 
-    @property
-    def softmax_scale(self) -> float:
-        return (self.nope_dim + self.rope_dim) ** -0.5
+    def read_attention(self) -> MLAAttention:
+        return read_attention(self.reader, self.index)
+
+
+def checkpoint_layers(reader: CheckpointReader, num_layers: int) -> Iterator[CheckpointLayer]:
+    """Every layer of a converted checkpoint in order: the loop everything that reads one back (``absorb``, the GGUF
+    export, the latent-cache runtime, heal) iterates."""
+    for i in range(num_layers):
+        yield CheckpointLayer(i, reader)

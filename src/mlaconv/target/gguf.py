@@ -40,14 +40,15 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import LlamaFileType
 
-from mlaconv.target import deepseek
-from mlaconv.target.deepseek import MLAShape
 from mlaconv.errors import MlaconvError
-from mlaconv.target.gguf_vocab import Vocabulary, read_vocabulary
 from mlaconv.io.reader import CheckpointReader, read_config
 from mlaconv.io.writer import atomic_output_file, check_free_space
-from mlaconv.conversion.pipeline import checkpoint_layers
+from mlaconv.mla.layer import MLAShape
 from mlaconv.progress import Progress, no_progress
+from mlaconv.source import names
+from mlaconv.target import deepseek
+from mlaconv.target.deepseek import checkpoint_layers
+from mlaconv.target.gguf_vocab import Vocabulary, read_vocabulary
 
 LLAMA_CPP_CHECKED = "llama.cpp 0c1e57098 (vendored in llama-cpp-python 0.3.36)"
 OUTTYPES: dict[str, tuple[QType, LlamaFileType]] = {
@@ -163,7 +164,7 @@ def plan_entries(shape: DeepseekShape, reader: CheckpointReader) -> list[Entry]:
 
         return split
 
-    entries = [Entry("token_embd.weight", (s.vocab, H), source(deepseek.EMBED, (s.vocab, H)))]
+    entries = [Entry("token_embd.weight", (s.vocab, H), source(names.EMBED, (s.vocab, H)))]
     for layer in checkpoint_layers(reader, s.layers):
         p, b = layer.prefix, f"blk.{layer.index}."
         entries += [
@@ -180,9 +181,9 @@ def plan_entries(shape: DeepseekShape, reader: CheckpointReader) -> list[Entry]:
             Entry(b + "ffn_up.weight", (F, H), source(p + _MLP[1], (F, H))),
             Entry(b + "ffn_down.weight", (H, F), source(p + _MLP[2], (H, F))),
         ]
-    entries.append(Entry("output_norm.weight", (H,), source(deepseek.FINAL_NORM, (H,))))
-    if deepseek.LM_HEAD in reader:  # else llama.cpp uses token_embd (tied embeddings)
-        entries.append(Entry("output.weight", (s.vocab, H), source(deepseek.LM_HEAD, (s.vocab, H))))
+    entries.append(Entry("output_norm.weight", (H,), source(names.FINAL_NORM, (H,))))
+    if names.LM_HEAD in reader:  # else llama.cpp uses token_embd (tied embeddings)
+        entries.append(Entry("output.weight", (s.vocab, H), source(names.LM_HEAD, (s.vocab, H))))
     return entries
 
 

@@ -3,7 +3,7 @@
 The head, the embedding and the final norm come first, then each layer's attention and its source MLP. A layer
 converted two ways (closed form and refined) is held on disk (``PendingTensors``) until the whole-model check
 chooses; memory holds one layer's tensors at a time. What a family folds into a tensor comes from
-``SourceWeights``; α is the residual rescale (``plan.residual_scale``).
+``SourceWeights``; α is the residual rescale (``conversion.plan.residual_scale``).
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from pathlib import Path
 
 import torch
 
-from mlaconv.target import deepseek
-from mlaconv.source.spec import SourceSpec
-from mlaconv.source.families import SourceWeights
 from mlaconv.io.pending import PendingTensors
 from mlaconv.io.reader import CheckpointReader
 from mlaconv.io.writer import ShardedWriter
 from mlaconv.mla.layer import MLAAttention
+from mlaconv.source import names
+from mlaconv.source.spec import SourceSpec
+from mlaconv.source.weights import SourceWeights
+from mlaconv.target import deepseek
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
@@ -38,9 +39,9 @@ class LayerWriter:
 
     def outer(self) -> None:
         """The head, the embedding (scaled by α) and the final norm, one at a time."""
-        self._source(deepseek.LM_HEAD, None, deepseek.LM_HEAD)
-        self._source(deepseek.EMBED, None, deepseek.EMBED, self.alpha)
-        self._source(deepseek.FINAL_NORM, None, deepseek.FINAL_NORM)
+        self._source(names.LM_HEAD, None, names.LM_HEAD)
+        self._source(names.EMBED, None, names.EMBED, self.alpha)
+        self._source(names.FINAL_NORM, None, names.FINAL_NORM)
 
     def layer(self, i: int, models: dict[str, MLAAttention]) -> None:
         """Layer i: its attention (α already in o_proj), written now if there is one model, else held until
@@ -51,12 +52,12 @@ class LayerWriter:
         else:
             self.pending.put(i, tensors)
         del tensors
-        p = deepseek.layer_prefix(i)
-        for name in (deepseek.GATE_PROJ, deepseek.UP_PROJ):
+        p = names.layer_prefix(i)
+        for name in (names.GATE, names.UP):
             self._source(p + name, i, name)
         self.weights.release()
-        self._source(p + deepseek.DOWN_PROJ, i, deepseek.DOWN_PROJ, self.alpha)
-        self._source(p + deepseek.POST_ATTENTION_NORM, i, deepseek.POST_ATTENTION_NORM)
+        self._source(p + names.DOWN, i, names.DOWN, self.alpha)
+        self._source(p + names.POST_ATTENTION_NORM, i, names.POST_ATTENTION_NORM)
 
     def choose(self, name: str) -> None:
         """Write model ``name``'s version of every held layer."""
@@ -78,7 +79,7 @@ class LayerWriter:
 
     def _add(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
-            self.writer.add(deepseek.layer_prefix(i) + name, tensor)
+            self.writer.add(names.layer_prefix(i) + name, tensor)
 
 
 def scaled(matrix: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import yaml
 
-from mlaconv.target.engines import VLLM_MLA_HEAD_SIZES, head_sizes_text
 from mlaconv.report import ConversionReport, EvalReport, RetrievalReport
 from mlaconv.report.conversion import Calibration, Verification
 from mlaconv.report.record import Failure
+from mlaconv.target.engines import VLLM_MLA_HEAD_SIZES, head_sizes_text
 
 # The Hugging Face cache keeps a hub model in .../models--ORG--NAME/snapshots/REVISION.
 _HUB_CACHE_FOLDER = re.compile(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots[/\\]")

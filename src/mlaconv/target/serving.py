@@ -8,9 +8,9 @@ rewrite every non-default ``rope_scaling`` to DeepSeek-YaRN.
 
 from __future__ import annotations
 
+from mlaconv.report.conversion import Serving
 from mlaconv.source.spec import SourceSpec
 from mlaconv.target.engines import VLLM_MLA_HEAD_SIZES, head_sizes_text
-from mlaconv.report.conversion import Serving
 
 
 def kernel_fit(config: dict) -> dict[str, bool]:

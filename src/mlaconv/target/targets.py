@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mlaconv.target.engines import BIASES, VLLM_MLA_HEAD_SIZES, deepseek_yarn_frequencies, head_sizes_text
 from mlaconv.errors import MlaconvError
 from mlaconv.report.conversion import TargetReport
+from mlaconv.target.engines import BIASES, VLLM_MLA_HEAD_SIZES, deepseek_yarn_frequencies, head_sizes_text
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,41 @@
+"""The dtypes and devices mlaconv computes in: the ``--dtype`` choices, where calibration runs unless told, a
+``--device`` checked, and the memory the machine has free."""
+
+from __future__ import annotations
+
+import torch
+
+from mlaconv.errors import MlaconvError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype choices
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (or a conservative 8 GiB where that file does not exist)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def default_device() -> str:
+    """Where calibration runs unless told: the GPU when torch sees one, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(device: str | None, option: str = "--device") -> None:
+    """Refuse, in one line, a device torch cannot use here (an unknown name, or CUDA without a GPU)."""
+    if not device:
+        return
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise MlaconvError(f"unknown {option} {device!r} (try cpu, cuda, cuda:1, mps)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise MlaconvError(f"{option} {device}: torch sees no CUDA device here")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise MlaconvError(f"{option} {device}: torch sees no MPS device here")

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import mlaconv
-from conftest import ROOT
+from helpers import ROOT
 from mlaconv.errors import MlaconvError
 
 

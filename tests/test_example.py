@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import ROOT
+from helpers import ROOT
 from mlaconv.cli import app
 
 EXAMPLE = ROOT / "examples" / "llama-docs"

@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-from conftest import ROOT
+from helpers import ROOT
 
 SRC = ROOT / "src"
 # The layers of ``src/mlaconv``, lowest first: a module imports only from its own package and from the layers below

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import RANK, assert_refused, cli, hashes, make_model
+from helpers import RANK, assert_refused, cli, hashes, make_model
 
 
 def test_missing_path(tmp_path):

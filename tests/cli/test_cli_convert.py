@@ -6,13 +6,13 @@ import json
 
 from typer.testing import CliRunner
 
-from conftest import ROOT
+from helpers import ROOT, invoke
 from mlaconv.cli import app
 
 
 
 def convert(*args):
-    return CliRunner().invoke(app, ["convert", *map(str, args)])
+    return invoke("convert", *args)
 
 
 def test_recipe_applies_and_flags_override_it(stories, tmp_path):

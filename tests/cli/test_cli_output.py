@@ -14,7 +14,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from conftest import STORIES
+from helpers import STORIES
 from mlaconv.cli import app
 from mlaconv.progress import LineProgress
 

@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from conftest import make_model
-from mlaconv.cli import app
-from test_retrieval import VOCAB, passkey_tokenizer
+from helpers import PASSKEY_VOCAB, invoke, make_model, passkey_tokenizer
 
 # The documented JSON of a run with a baseline, by level: key → type.
 REPORT_KEYS = {"task": str, "model": str, "baseline": str, "tokenizer": str, "seed": int, "trials": int,
@@ -23,12 +20,12 @@ CASE_KEYS = {"depth": float, "key": int, "prompt_tokens": int, "answer": str, "c
 
 
 def cli(*args):
-    return CliRunner().invoke(app, ["eval", "retrieval", *map(str, args)])
+    return invoke("eval", "retrieval", *args)
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    folder = make_model(tmp_path_factory.mktemp("retrieval") / "source", vocab=VOCAB)
+    folder = make_model(tmp_path_factory.mktemp("retrieval") / "source", vocab=PASSKEY_VOCAB)
     passkey_tokenizer().save_pretrained(folder)
     return folder
 

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mlaconv.cli import app
-from spectra_schema import check_schema
+from helpers import check_schema
 
 runner = CliRunner()
 

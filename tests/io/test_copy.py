@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import RANK, assert_refused, cli, hashes, make_model
+from helpers import RANK, assert_refused, cli, hashes, make_model
 from mlaconv.conversion import run as conversion
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, ShardedWriter

@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import weakref
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import RANK, assert_refused, cli, hashes, leftovers, make_model
+from helpers import MLACONV, RANK, assert_refused, cli, hashes, leftovers, make_model, wait_for_writing
 from mlaconv.io import ShardedWriter
 
 
@@ -87,29 +86,10 @@ def test_a_disk_that_fills_up_mid_way(src, tmp_path, monkeypatch):
     assert line.endswith(f"; nothing was written to {tmp_path / 'out'}")
 
 
-# ``python -m mlaconv``, with Ctrl-C raising KeyboardInterrupt even where the tests run as a background job
-# (which starts with SIGINT ignored, and Python then leaves it ignored)
-MLACONV = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-           "runpy.run_module('mlaconv', run_name='__main__', alter_sys=True)")
-
-
 def _start_conversion(src: Path, out: Path) -> subprocess.Popen:
     """``mlaconv convert`` in a subprocess, one shard per tensor so that it writes all along."""
     return subprocess.Popen([sys.executable, "-c", MLACONV, "convert", str(src), str(out), *RANK, "--shard-size", "1KB"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_for_writing(process: subprocess.Popen, out: Path) -> Path:
-    """The temporary folder, once the conversion has written its first shard into it."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        temporaries = list(out.parent.glob(f".{out.name}.mlaconv-tmp-*"))
-        if temporaries and any(temporaries[0].glob("*.safetensors")):
-            return temporaries[0]
-        assert process.poll() is None, f"the conversion ended before it was interrupted: {process.communicate()}"
-        time.sleep(0.002)
-    process.kill()
-    raise AssertionError("the conversion never started writing")
 
 
 @pytest.fixture
@@ -122,7 +102,7 @@ def test_a_killed_conversion_leaves_no_output_and_the_next_run_sweeps_its_tempor
     out = tmp_path / "out"
     before = hashes(slow_src)
     process = _start_conversion(slow_src, out)
-    temporary = _wait_for_writing(process, out)
+    temporary = wait_for_writing(process, out)
     process.send_signal(signal.SIGKILL)
     process.communicate()
     assert process.returncode == -signal.SIGKILL
@@ -138,7 +118,7 @@ def test_a_killed_conversion_leaves_no_output_and_the_next_run_sweeps_its_tempor
 def test_sigterm_and_ctrl_c_remove_the_temporary_folder(slow_src, tmp_path, signum):
     out = tmp_path / "out"
     process = _start_conversion(slow_src, out)
-    temporary = _wait_for_writing(process, out)
+    temporary = wait_for_writing(process, out)
     process.send_signal(signum)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr

@@ -7,14 +7,11 @@ import math
 import pytest
 import torch
 
+from helpers import generator
 from mlaconv.mla import metric
 
 F64 = torch.float64
 H = 6
-
-
-def generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def samples(n: int = 40, seed: int = 0) -> torch.Tensor:

@@ -12,43 +12,24 @@ import torch
 import transformers as hf
 from typer.testing import CliRunner
 
+from helpers import logits, open_source, random_tokens, write_tokens
 from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
 from mlaconv.cli import app
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
-from mlaconv.io import CheckpointReader, read_config
 from mlaconv.io.models import load_causal_lm
 from mlaconv.mla.forward import rms_norm
 from mlaconv.source.names import FINAL_NORM, LM_HEAD
-from mlaconv.source.spec import SourceSpec
 from mlaconv.source.weights import SourceWeights
 
 VOCAB = 96
-
-
-def tokens(rows: int, length: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
-
-
-def write_tokens(path: Path, ids: torch.Tensor) -> Path:
-    path.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in ids.tolist()))
-    return path
-
-
-def logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return load_causal_lm(folder)(ids).logits.double()
-
-
-def open_source(folder: Path):
-    return SourceSpec.from_config(read_config(folder)), CheckpointReader(folder)
 
 
 @pytest.mark.parametrize("length", [12, 40])
 def test_streamed_source_forward_matches_transformers(tiny_model, length):
     src = tiny_model(family="qwen3", kv_heads=2, head_dim=16)
     spec, reader = open_source(src)
-    ids = tokens(3, length, seed=3)
+    ids = random_tokens(3, length, VOCAB, seed=3)
     streamer = SourceStreamer(reader, spec, CalibrationOptions(ids, batch_size=2))
     for i in range(spec.num_layers):
         attention = SourceWeights(reader, spec).attention(i)
@@ -66,7 +47,7 @@ def test_stand_in_is_the_least_squares_fit_of_transformers_normalised_heads(tiny
     caught by hooks, and torch.linalg.lstsq on them."""
     src = tiny_model(family="qwen3", kv_heads=2, head_dim=16)
     spec, reader = open_source(src)
-    ids = tokens(6, 48, seed=4)
+    ids = random_tokens(6, 48, VOCAB, seed=4)
     model = load_causal_lm(src)
     caught: dict[tuple[int, str], torch.Tensor] = {}
     hooks = []
@@ -124,12 +105,12 @@ def constant_norm_qwen3(path: Path) -> Path:
 
 def test_constant_norms_convert_exactly_through_the_public_loader(tmp_path):
     src = constant_norm_qwen3(tmp_path / "src")
-    calib = write_tokens(tmp_path / "calib.jsonl", tokens(8, 32, seed=5))
+    calib = write_tokens(tmp_path / "calib.jsonl", random_tokens(8, 32, VOCAB, seed=5))
     report = convert(str(src), tmp_path / "out", ConvertOptions(rank=32, rope_dim=32, verify=False, calib=[str(calib)],
                                                                 calib_window=32))
     assert type(load_causal_lm(tmp_path / "out")).__name__ == "DeepseekV3ForCausalLM"
     assert max(report.attention_error) < 1e-8
-    ids = tokens(2, 40, seed=6)
+    ids = random_tokens(2, 40, VOCAB, seed=6)
     theirs = logits(src, ids)
     assert ((logits(tmp_path / "out", ids) - theirs).abs().max() / theirs.abs().max()).item() <= 1e-4
 
@@ -138,7 +119,7 @@ def test_calibrated_conversion_is_measured_against_the_true_norms(tiny_model, tm
     """At full rank the only loss is the stand-in's: the report's attention errors measure it against the
     QK-normed source (not zero), and the converted checkpoint loads as DeepSeek-V3."""
     src = tiny_model(family="qwen3", kv_heads=1, head_dim=16)
-    calib = write_tokens(tmp_path / "calib.jsonl", tokens(8, 32, seed=7))
+    calib = write_tokens(tmp_path / "calib.jsonl", random_tokens(8, 32, VOCAB, seed=7))
     report = convert(str(src), tmp_path / "out", ConvertOptions(rank=16, rope_dim=16, verify=False,
                                                                 calib=[str(calib)], calib_window=32))
     assert report.architecture == "Qwen3" and report.mode == "calibrated"

@@ -11,13 +11,10 @@ import torch
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from helpers import generator
 from mlaconv.mla import rope
 
 F64 = torch.float64
-
-
-def generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 # --- complex pairs, real rows, interleave ---------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import STORIES, make_model
+from helpers import STORIES, make_model, rel_err
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
@@ -44,10 +44,6 @@ def models(tmp_path_factory):
 def stories_prompt(length: int) -> torch.Tensor:
     first = json.loads((STORIES / "samples.jsonl").read_text().splitlines()[0])
     return torch.tensor(first["input_ids"][:length])
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "linear-rope", "stories"])

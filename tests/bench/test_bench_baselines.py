@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from helpers import logits, rel_err
 from mlaconv.conversion.plan import plan_shapes
-from mlaconv.io.models import load_causal_lm
 from mlaconv.mla.layer import AttentionShape
 from mlaconv.source.spec import load_source
 
@@ -27,15 +27,6 @@ def run(method: str, src: Path, out: Path, freqfold: int | None = 1, **shapes) -
     if method == "joint-svd":
         return convert_joint_svd(src, out, **shapes)
     return convert_transmla(src, out, CALIB, freqfold=freqfold, **shapes)
-
-
-def logits(folder: Path) -> torch.Tensor:
-    with torch.no_grad():
-        return load_causal_lm(folder, torch.float32)(TOKENS).logits.double()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def edit_weights(folder: Path, edit) -> None:
@@ -63,7 +54,7 @@ def test_mqa_full_rank_loads_as_deepseek_and_is_exact(tiny_model, tmp_path, meth
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["rms_norm_eps"]) == (16, 16, 1e-6)
     assert json.loads((tmp_path / "out" / "baseline.json").read_text())["method"] == method == report["method"]
-    assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
+    assert rel_err(logits(tmp_path / "out", TOKENS), logits(src, TOKENS)) <= 1e-4
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -71,7 +62,7 @@ def test_gqa_expansion_is_exact_when_one_key_serves_all_heads(tiny_model, tmp_pa
     src = tiny_model(heads=4, kv_heads=2, head_dim=16)
     edit_weights(src, identical_kv_heads)
     run(method, src, tmp_path / "out", rank=48, rope_dim=16)
-    assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
+    assert rel_err(logits(tmp_path / "out", TOKENS), logits(src, TOKENS)) <= 1e-4
 
 
 def test_transmla_keeps_keys_that_are_real_multiples_of_one_key_per_frequency(tiny_model, tmp_path):
@@ -88,7 +79,7 @@ def test_transmla_keeps_keys_that_are_real_multiples_of_one_key_per_frequency(ti
     edit_weights(src, multiples)
     report = run("transmla", src, tmp_path / "out", rank=48, rope_dim=16)
     assert report["freqfold"] == 1
-    assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
+    assert rel_err(logits(tmp_path / "out", TOKENS), logits(src, TOKENS)) <= 1e-4
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -99,7 +90,7 @@ def test_qwen2_key_and_value_biases_fold_exactly(tiny_model, tmp_path, method):
     report = run(method, src, tmp_path / "out", rank=48, rope_dim=16)
     assert report["dropped_bias"] == []
     assert json.loads((tmp_path / "out" / "config.json").read_text())["attention_bias"] is True
-    assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
+    assert rel_err(logits(tmp_path / "out", TOKENS), logits(src, TOKENS)) <= 1e-4
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -110,7 +101,7 @@ def test_half_cut_shares_mlaconv_shapes_and_gives_finite_logits(tiny_model, tmp_
     shapes = plan_shapes(spec, None, 0.5, None)
     assert (report["kv_lora_rank"], report["qk_rope_head_dim"]) == (shapes.rank, shapes.rope_dim)
     assert report["kv_keep"] == pytest.approx(0.5)
-    assert torch.isfinite(logits(tmp_path / "out")).all()
+    assert torch.isfinite(logits(tmp_path / "out", TOKENS)).all()
     if method == "transmla":  # TransMLA's auto freqfold tried at least collapse and 2·collapse
         assert len(report["partial_rope_calib_ppl"]) >= 2 and report["freqfold"] in report["partial_rope_calib_ppl"]
 
@@ -135,11 +126,11 @@ def test_transmla_on_qwen3_drops_the_norms_unless_given_the_stand_ins(tiny_model
     far less (KL per token from the source, computed here from transformers' logits)."""
     src = tiny_model(family="qwen3", heads=4, kv_heads=1, head_dim=16)
     calib = torch.randint(0, 96, (32, 32), generator=torch.Generator().manual_seed(2))
-    reference = logits(src).log_softmax(-1)
+    reference = logits(src, TOKENS).log_softmax(-1)
     kl = {}
     for mode in ("dropped", "stand-in"):
         report = convert_transmla(src, tmp_path / mode, calib, freqfold=1, rank=16, rope_dim=16, qk_norm=mode)
         assert report["kv_lora_rank"] == 16
-        converted = logits(tmp_path / mode).log_softmax(-1)
+        converted = logits(tmp_path / mode, TOKENS).log_softmax(-1)
         kl[mode] = (reference.exp() * (reference - converted)).sum(-1).mean().item()
     assert kl["stand-in"] < kl["dropped"] / 4

@@ -8,31 +8,26 @@ import re
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from mlaconv.cli import app
+from helpers import invoke
 
 OPTIONS = ["--kv-keep", "0.3125", "--rope-dim", "8", "--calib-window", "24", "--refine-steps", "20", "--device", "cpu"]
-
-
-def run(*args):
-    return CliRunner().invoke(app, [*map(str, args)])
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """The same small GQA model (r + R = 12 + 8 of 64) through ``convert --json`` and ``inspect spectra --refine
     --json``: 16 calibration windows of 24 (8 fit, 4 select, 4 audit)."""
-    from conftest import make_model
+    from helpers import make_model
 
     tmp = tmp_path_factory.mktemp("spectra-refine")
     src = make_model(tmp / "src", "llama", layers=2, heads=4, kv_heads=2, head_dim=16, seed=2)
     ids = torch.randint(0, 96, (16, 24), generator=torch.Generator().manual_seed(4))
     calib = tmp / "calib.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in ids.tolist()))
-    inspected = run("inspect", "spectra", src, "--calib", calib, "--refine", *OPTIONS, "--quiet", "--json")
+    inspected = invoke("inspect", "spectra", src, "--calib", calib, "--refine", *OPTIONS, "--quiet", "--json")
     assert inspected.exit_code == 0, inspected.output
-    converted = run("convert", src, tmp / "out", "--calib", calib, *OPTIONS, "--no-verify", "--quiet", "--json")
+    converted = invoke("convert", src, tmp / "out", "--calib", calib, *OPTIONS, "--no-verify", "--quiet", "--json")
     assert converted.exit_code == 0, converted.output
     return json.loads(inspected.stdout), inspected.stderr, json.loads(converted.stdout)
 
@@ -101,6 +96,6 @@ def test_refine_is_refused_without_what_it_needs(args, message, tiny_model, tmp_
     calib = tmp_path / "calib.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": list(range(24))}) + "\n" for _ in range(4)))
     src = tiny_model(head_dim=16)
-    result = run("inspect", "spectra", src, *(a.format(calib=calib) for a in args), "--json")
+    result = invoke("inspect", "spectra", src, *(a.format(calib=calib) for a in args), "--json")
     assert result.exit_code == 1, result.output
     assert message in json.loads(result.stdout)["error"]

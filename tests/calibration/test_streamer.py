@@ -6,11 +6,11 @@ import gc
 from dataclasses import replace
 import json
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import open_source, random_tokens, write_tokens
 from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
 from mlaconv.calibration.windows import load_calibration_tokens
 from mlaconv.conversion.options import ConvertOptions
@@ -25,20 +25,6 @@ from mlaconv.mla.refine import refine
 from mlaconv.source.names import FINAL_NORM, LM_HEAD
 from mlaconv.source.spec import SourceSpec
 from mlaconv.source.weights import SourceWeights
-
-
-def write_tokens(path: Path, tokens: torch.Tensor) -> Path:
-    path.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in tokens.tolist()))
-    return path
-
-
-def random_tokens(rows: int, length: int, vocab: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
-
-
-def open_source(folder: Path):
-    spec = SourceSpec.from_config(read_config(folder))
-    return spec, CheckpointReader(folder)
 
 
 def test_streamed_source_forward_matches_transformers(tiny_model):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 from bench.lib import RESULTS  # noqa: E402
 from bench.lib.results import MISSING, cell, markdown_table, render  # noqa: E402

@@ -18,9 +18,7 @@ import llama_cpp  # a hard dependency of these tests: the dev extra installs lla
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from mlaconv.cli import app
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
@@ -28,7 +26,7 @@ from mlaconv.evaluate.llamacpp import nll_sum, open_engine
 from mlaconv.io.models import load_causal_lm
 from mlaconv.target.gguf import export_gguf
 
-from conftest import STORIES, make_model
+from helpers import STORIES, invoke, make_model
 
 
 RANDOM_WINDOWS = [torch.randint(0, 96, (160,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)]
@@ -281,7 +279,7 @@ def test_sentencepiece_tokenizer_model(tiny_out, tmp_path):
 # ---- the command line ----
 
 def cli(*args):
-    return CliRunner().invoke(app, ["export", "gguf", *map(str, args)])
+    return invoke("export", "gguf", *args)
 
 
 def test_cli_writes_atomically_and_refuses_to_overwrite(stories_lossy, tmp_path):

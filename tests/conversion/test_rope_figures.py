@@ -182,7 +182,7 @@ def written_slots(mla, gamma, shape: AttentionShape, rope_dim: int):
 def calibrated_layers(tmp_path_factory):
     """convert's calibrated steps on each layer of a small GQA model (16 windows: 8 fit, 4 select, 4 audit), at a
     rank low enough that 20 refinement steps beat the closed form on the select windows in both layers."""
-    from conftest import make_model
+    from helpers import make_model
 
     tmp = tmp_path_factory.mktemp("rope")
     src = make_model(tmp / "src", "llama", layers=2, heads=4, kv_heads=2, head_dim=16, seed=2)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from helpers import random_tokens, tensors, write_tokens
 from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
 from mlaconv.calibration.windows import split_windows
 from mlaconv.conversion.options import ConvertOptions
@@ -23,19 +23,6 @@ from mlaconv.mla.layer import AttentionShape, LayerOptions
 from mlaconv.mla.refine import refine
 from mlaconv.source.spec import SourceSpec
 from mlaconv.source.weights import SourceWeights
-
-
-def write_tokens(path: Path, tokens: torch.Tensor) -> Path:
-    path.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in tokens.tolist()))
-    return path
-
-
-def random_tokens(rows: int, length: int, vocab: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
-
-
-def tensors(folder: Path) -> dict[str, torch.Tensor]:
-    return {name: t for shard in sorted(folder.glob("*.safetensors")) for name, t in load_file(shard).items()}
 
 
 def calibrated(tmp_path: Path, tokens: torch.Tensor, name: str, **options) -> ConvertOptions:

@@ -11,29 +11,13 @@ import pytest
 import torch
 
 import mlaconv.evaluate.retrieval as retrieval
-from conftest import make_model
+from helpers import PASSKEY_VOCAB, check_documented, make_model, passkey_tokenizer
 from mlaconv.errors import MlaconvError
 from mlaconv.evaluate.retrieval import (FILLER, INSTRUCTION, NEEDLE, NEW_TOKENS, QUESTION, answer_is_right,
-                                        evaluate_retrieval, passkey_prompts, passkey_text)
+                                        evaluate_retrieval, passkey_prompts)
 from mlaconv.report import RetrievalReport
-from test_report_schema import check
 
-VOCAB = 192
 LENGTHS = [96, 160, 256]  # the tiny models' context is 256
-
-
-def passkey_tokenizer():
-    """A byte-level BPE with a BOS, trained on passkey prompts (every digit among its symbols), at most VOCAB ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    corpus = [passkey_text(20, 0.5, key) for key in (12345, 67890)]
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>"]))
-    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>")
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +29,7 @@ def tokenizer():
 def models(tmp_path, tokenizer):
     """Tiny random Llamas with the tokenizer saved beside them, by name."""
     def build(name: str, **kwargs) -> Path:
-        folder = make_model(tmp_path / name, vocab=VOCAB, **kwargs)
+        folder = make_model(tmp_path / name, vocab=PASSKEY_VOCAB, **kwargs)
         tokenizer.save_pretrained(folder)
         return folder
 
@@ -192,13 +176,13 @@ def test_without_a_baseline_no_baseline_keys_are_written(models, tokenizer, monk
 
 def assert_documented(written: dict) -> None:
     """Every key of a retrieval report is in docs/report.md, and every key marked *always* is in the report."""
-    check("retrieval", written)
+    check_documented("retrieval", written)
     for length in written["lengths"]:
-        check("retrieval.lengths[]", length)
+        check_documented("retrieval.lengths[]", length)
         for bucket in length["by_depth"]:
-            check("retrieval.lengths[].by_depth[]", bucket)
+            check_documented("retrieval.lengths[].by_depth[]", bucket)
         for case in length["cases"]:
-            check("retrieval.lengths[].cases[]", case)
+            check_documented("retrieval.lengths[].cases[]", case)
 
 
 def test_the_default_lengths_are_those_of_1k_to_8k_within_the_context(models, tokenizer, monkeypatch):
@@ -222,6 +206,6 @@ def test_bad_settings_are_refused(models, lengths, trials, message):
 
 
 def test_a_model_without_a_tokenizer_is_refused(tmp_path):
-    bare = make_model(tmp_path / "bare", vocab=VOCAB)
+    bare = make_model(tmp_path / "bare", vocab=PASSKEY_VOCAB)
     with pytest.raises(MlaconvError, match="has no tokenizer"):
         evaluate_retrieval(bare, lengths=[128])

@@ -140,7 +140,7 @@ def converted(src, out, monkeypatch=None, **shape):
 @pytest.fixture(scope="module")
 def exact_mqa(tmp_path_factory):
     """A random Llama with one KV head (hidden 256, so Q4_K applies) and its exact full-rank conversion."""
-    from conftest import make_model
+    from helpers import make_model
 
     root = tmp_path_factory.mktemp("quant")
     src = make_model(root / "src", kv_heads=1, heads=4, hidden=256, head_dim=64, vocab=256, scale=0.05)

@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from conftest import ROOT, assert_refused
+from helpers import ROOT, assert_refused
 from mlaconv.cli import app
 
 EXAMPLE = ROOT / "examples" / "llama-docs"  # a tokenizer and a 256-token context

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import RANK, ROOT, assert_refused, cli, hashes, make_model
+from helpers import RANK, ROOT, assert_refused, cli, hashes, make_model
 
 
 def test_a_folder_that_is_not_a_model(tmp_path):

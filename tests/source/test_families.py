@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers as hf
 
+from helpers import logits, refusal, rel_err
 from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
@@ -80,15 +81,6 @@ EXACT = {
 }
 SHORT = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))  # within LongRoPE's 16
 LONG = torch.randint(0, VOCAB, (1, 60), generator=torch.Generator().manual_seed(2))  # past it: the long factors
-
-
-def logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return load_causal_lm(folder)(tokens).logits.double()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 @pytest.fixture(scope="module")
@@ -186,14 +178,6 @@ def test_longrope_refuses_the_absorbed_form(sources, tmp_path):
     with pytest.raises(MlaconvError, match="--absorbed is refused for this model: the absorbed form describes one set"):
         convert(str(sources["phi3, longrope"]), tmp_path / "out", ConvertOptions(verify=False, rank=8, absorbed=True))
     assert not (tmp_path / "out").exists()
-
-
-def refusal(config: dict | hf.PretrainedConfig) -> str:
-    with pytest.raises(MlaconvError) as caught:
-        SourceSpec.from_config(config if isinstance(config, dict) else config.to_dict())
-    message = str(caught.value)
-    assert "\n" not in message
-    return message
 
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -6,18 +6,17 @@ from __future__ import annotations
 import copy
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, Phi3Config, SmolLM3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from helpers import CONFIGS, refusal
 from mlaconv.errors import MlaconvError
 from mlaconv.source.families import FAMILIES, REFUSED, SUPPORTED_TEXT, family_for
 from mlaconv.source.spec import SourceSpec, rope_settings
 
-CONFIGS = Path(__file__).resolve().parent / "data" / "configs"
 BASE = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
         "num_hidden_layers": 3, "intermediate_size": 128, "vocab_size": 96}
 
@@ -33,14 +32,6 @@ def hf_config(cls, config: dict):
 
 def spec(**change) -> SourceSpec:
     return SourceSpec.from_config({**BASE, **change})
-
-
-def refusal(config: dict) -> str:
-    with pytest.raises(MlaconvError) as caught:
-        SourceSpec.from_config(config)
-    message = str(caught.value)
-    assert "\n" not in message
-    return message
 
 
 # --- real configs: shapes anyone can check on the model card ---------------------------------------------------------

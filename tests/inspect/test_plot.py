@@ -11,11 +11,6 @@ from mlaconv.inspect.plot import require_matplotlib, save_spectra_plot, spectra_
 from mlaconv.inspect.spectra import SpectraOptions, spectra
 
 
-@pytest.fixture(scope="module")
-def stories_report(stories):
-    return spectra(str(stories), SpectraOptions(kv_keep=0.5))
-
-
 def test_plot_draws_one_curve_per_layer_and_writes_a_png(stories_report, tmp_path):
     figure = spectra_figure(stories_report)
     panels = [ax for ax in figure.axes if ax.lines]

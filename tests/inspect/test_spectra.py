@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT
+from helpers import ROOT
 from mlaconv.cli.inspect import spectra as spectra_command
 from mlaconv.conversion.calibrated import calibrated_layer_options
 from mlaconv.conversion.options import ConvertOptions
@@ -23,7 +23,7 @@ from mlaconv.mla.attention import analyse_layer, convert_attention
 from mlaconv.mla.layer import LayerStats
 from mlaconv.source.spec import load_source
 from mlaconv.source.weights import SourceWeights
-from spectra_schema import LAYER_KEYS, RECOMMENDATION_KEYS, SUMMARY_KEYS, TOP_KEYS, check_schema
+from helpers import LAYER_KEYS, RECOMMENDATION_KEYS, SUMMARY_KEYS, TOP_KEYS, check_schema
 
 
 def run_convert(src, out, **options):
@@ -251,11 +251,6 @@ def test_spectra_show_what_the_shared_key_drops_for_mha_and_nothing_for_mqa(tiny
 def test_bad_settings_are_refused(stories, options, message):
     with pytest.raises(MlaconvError, match=message):
         spectra(str(stories), SpectraOptions(**options))
-
-
-@pytest.fixture(scope="module")
-def stories_report(stories):
-    return spectra(str(stories), SpectraOptions(kv_keep=0.5))
 
 
 def test_json_has_the_documented_keys(stories_report):

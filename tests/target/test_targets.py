@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
+from helpers import random_tokens, spec_for, write_tokens
 from mlaconv.cli import app
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
@@ -117,17 +118,11 @@ def test_llama3_for_transformers_keeps_llama3_and_vllm_figures_differ(tiny_model
     assert vllm["kl"] > report.verify.kl
 
 
-def write_tokens(path, rows: int, length: int, seed: int):
-    ids = torch.randint(0, 96, (rows, length), generator=torch.Generator().manual_seed(seed)).tolist()
-    path.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in ids))
-    return path
-
-
 def test_calibrated_portable_refits_without_biases(tiny_model, tmp_path):
     """With calibration data the bias-free layers are re-fitted (biases fixed at zero): the refinement lowers the
     attention error of the layers it keeps, no bias tensor is written, and the note says so."""
     src = tiny_model(family="qwen2", kv_heads=2, head_dim=16)
-    calib = write_tokens(tmp_path / "calib.jsonl", 24, 32, seed=3)
+    calib = write_tokens(tmp_path / "calib.jsonl", random_tokens(24, 32, seed=3))
     options = ConvertOptions(rank=24, rope_dim=16, calib=[str(calib)], calib_tokens=24 * 32, calib_window=32,
                              refine_steps=30, refine_batch=4, refine_check_every=5)
     report = convert(str(src), tmp_path / "out", options)
@@ -173,8 +168,7 @@ def test_served_shapes_vllm_requires_them_portable_prefers_them(tiny_model, tmp_
     """vLLM runs MLA only at r + R ∈ {320, 512, 576}: --target vllm takes the largest of them within the --kv-keep
     budget whose latent fits the model, and refuses in one line a budget or --rank that fits none (suggesting a
     --kv-keep that works); portable takes one where the budget allows and the whole budget otherwise."""
-    from conftest import assert_refused, cli
-    from test_recipes import spec_for
+    from helpers import assert_refused, cli
 
     from mlaconv.source.spec import SourceSpec
     from mlaconv.conversion.plan import plan_shapes, shape_candidates
@@ -207,7 +201,7 @@ def test_served_shapes_vllm_requires_them_portable_prefers_them(tiny_model, tmp_
     assert plan_shapes(narrow_spec, None, 1.0, None, vllm).rank == 256  # 576 and 512 need r > 320: 320 it is
 
     src = tiny_model(heads=8, kv_heads=4, head_dim=64, hidden=320, layers=1)  # 512 elements, full rank 320
-    write_tokens(tmp_path / "calib.jsonl", rows=8, length=48, seed=8)
+    write_tokens(tmp_path / "calib.jsonl", random_tokens(8, 48, seed=8))
     report = convert(str(src), str(tmp_path / "out"), ConvertOptions(kv_keep=0.7, target="vllm", verify=False,
                                                                    calib=[str(tmp_path / "calib.jsonl")],
                                                                    calib_window=48, refine_steps=0))

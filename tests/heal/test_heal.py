@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from typer.testing import CliRunner
 
 from mlaconv.calibration.windows import CalibrationData
@@ -20,7 +19,7 @@ from mlaconv.heal import HealOptions, heal
 from mlaconv.heal import run as heal_run
 from mlaconv.mla.latent_norm import latent_bound
 
-from conftest import hashes, leftovers
+from helpers import hashes, leftovers, tensors
 
 
 def sampled_ids(path: Path, count: int = 40, length: int = 48, seed: int = 0) -> Path:
@@ -29,14 +28,6 @@ def sampled_ids(path: Path, count: int = 40, length: int = 48, seed: int = 0) ->
     path.write_text("".join(json.dumps({"input_ids": torch.randint(0, 96, (length,), generator=generator).tolist()})
                             + "\n" for _ in range(count)))
     return path
-
-
-def tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as shard:
-            out.update({name: shard.get_tensor(name) for name in shard.keys()})
-    return out
 
 
 @pytest.fixture

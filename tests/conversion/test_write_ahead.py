@@ -14,11 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import RANK, assert_refused, cli, hashes, leftovers, make_model
+from helpers import MLACONV, RANK, assert_refused, cli, hashes, leftovers, make_model, wait_for_writing
 from mlaconv.conversion import run as conversion
 from mlaconv.io import ShardedWriter
 from mlaconv.io.writer import _WriteAhead
-from test_writer import MLACONV, _wait_for_writing
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -140,7 +139,7 @@ def test_sigterm_while_the_writer_thread_writes_removes_the_temporary_folder(tmp
     process = subprocess.Popen([sys.executable, "-c", MLACONV, "convert", str(src), str(out), *RANK],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=os.environ | {"OMP_NUM_THREADS": "1"})  # one-thread operators: the threads run
-    temporary = _wait_for_writing(process, out)
+    temporary = wait_for_writing(process, out)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr

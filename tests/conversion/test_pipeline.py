@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import STORIES
+from helpers import STORIES
 from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.pipeline import source_layers

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers import logits, rel_err
 from mlaconv.conversion.options import ConvertOptions
 
 from mlaconv.conversion.run import convert
@@ -18,18 +19,9 @@ from mlaconv.io.models import load_causal_lm
 TOKENS = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
 
 
-def logits(folder, tokens=TOKENS, dtype=torch.float32):
-    with torch.no_grad():
-        return load_causal_lm(folder, dtype)(tokens).logits.double()
-
-
 def run(src, out, **options):
     options.setdefault("verify", False)
     return convert(str(src), out, ConvertOptions(**options))
-
-
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def check_by_hand(src, out, report, drop_biases: bool = False) -> dict:
@@ -64,18 +56,18 @@ def test_mqa_full_rank_is_exact_in_float32(tiny_model, tmp_path):
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
     assert report.rope_energy_kept == pytest.approx([1.0, 1.0])
     assert report.energy_retained.mean == pytest.approx(1.0)
-    assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
+    assert rel_err(logits(tmp_path / "out", TOKENS), logits(src, TOKENS)) <= 1e-4
 
 
 def test_mqa_full_rank_bfloat16_within_rounding(tiny_model, tmp_path):
     src = tiny_model(kv_heads=1, head_dim=16, dtype=torch.bfloat16)
     report = run(src, tmp_path / "out", rank=16, rope_dim=16)
     assert report.dtype == "bfloat16"
-    reference = logits(src, dtype=torch.float32)
+    reference = logits(src, TOKENS, dtype=torch.float32)
     # bf16 source evaluated in bf16 differs from its own float32 evaluation by rounding alone; the
     # converted model must stay within a small multiple of that.
-    source_bf16 = logits(src, dtype=torch.bfloat16)
-    converted_bf16 = logits(tmp_path / "out", dtype=torch.bfloat16)
+    source_bf16 = logits(src, TOKENS, dtype=torch.bfloat16)
+    converted_bf16 = logits(tmp_path / "out", TOKENS, dtype=torch.bfloat16)
     rounding = rel_err(source_bf16, reference)
     assert rel_err(converted_bf16, reference) <= 4 * rounding + 1e-2
 
@@ -88,7 +80,7 @@ def test_rank_one_keys_per_frequency_keep_all_rope_and_are_exact(tiny_model, tmp
         report = run(src, tmp_path / f"out{kv_heads}", rank=min(64, 2 * kv_heads * 16 - 16), rope_dim=16)
         assert min(report.rope_energy_kept) == pytest.approx(1.0, abs=1e-9), weights
         assert report.energy_retained.mean == pytest.approx(1.0)
-        assert rel_err(logits(tmp_path / f"out{kv_heads}"), logits(src)) <= 1e-4
+        assert rel_err(logits(tmp_path / f"out{kv_heads}", TOKENS), logits(src, TOKENS)) <= 1e-4
 
 
 def _make_keys_rank_one(folder, kv_heads):
@@ -128,7 +120,7 @@ def test_gqa_error_comes_only_from_unrotated_rope_energy(tiny_model, tmp_path):
         report = run(src, tmp_path / f"out{step}", rank=48, rope_dim=16)
         assert report.energy_retained.mean == pytest.approx(1.0)
         kept.append(min(report.rope_energy_kept))
-        errors.append(rel_err(logits(tmp_path / f"out{step}"), logits(src)))
+        errors.append(rel_err(logits(tmp_path / f"out{step}", TOKENS), logits(src, TOKENS)))
     assert kept == sorted(kept) and kept[-1] == pytest.approx(1.0)
     assert errors == sorted(errors, reverse=True)
     assert errors[0] > 1e-3 and errors[-1] <= 1e-4
@@ -148,7 +140,7 @@ def test_llama_eps_rescale_is_exact(tiny_model, tmp_path):
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["rms_norm_eps"] == 1e-6
     assert report.residual_scale == pytest.approx((1e-6 / 1e-5) ** 0.5)
-    assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
+    assert rel_err(logits(tmp_path / "out", TOKENS), logits(src, TOKENS)) <= 1e-4
 
 
 def test_qwen2_biases_folded_and_reported_for_transformers(tiny_model, tmp_path):
@@ -164,7 +156,7 @@ def test_qwen2_biases_folded_and_reported_for_transformers(tiny_model, tmp_path)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["attention_bias"] is True and report.dropped_bias == []
     # k and v biases are folded exactly (k's NoPE part is softmax-invariant, v's goes to o_proj.bias).
-    assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
+    assert rel_err(logits(tmp_path / "out", TOKENS), logits(src, TOKENS)) <= 1e-4
     assert report.verify.max_rel_logit_diff <= 1e-4
     dropped = check_by_hand(src, tmp_path / "out", report, drop_biases=True)["kl"]
     engines = report.verify.engines
@@ -189,7 +181,7 @@ def test_qwen2_query_bias_is_reported_and_measured(tiny_model, tmp_path):
 def test_mistral_converts(tiny_model, tmp_path):
     src = tiny_model(family="mistral", kv_heads=1, head_dim=16, sliding_window=None)
     run(src, tmp_path / "out", rank=16, rope_dim=16)
-    assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
+    assert rel_err(logits(tmp_path / "out", TOKENS), logits(src, TOKENS)) <= 1e-4
 
 
 @pytest.mark.parametrize("rank", [8, 24, 56])
@@ -275,7 +267,7 @@ def test_hub_id_resolves_from_the_local_cache_offline(tiny_model, tmp_path, monk
     offline_hub_cache(src, tmp_path, monkeypatch)
     report = run("acme/tiny", tmp_path / "out", rank=16, rope_dim=16)
     assert report.source_id == "acme/tiny" and report.source_revision == "0" * 40
-    assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
+    assert rel_err(logits(tmp_path / "out", TOKENS), logits(src, TOKENS)) <= 1e-4
 
 
 def test_partly_cached_hub_id_is_named_offline(tiny_model, tmp_path, monkeypatch):
@@ -298,7 +290,7 @@ def test_a_cached_snapshot_is_judged_by_the_weights_the_reader_uses(tiny_model, 
     index = {"weight_map": {"model.embed_tokens.weight": "pytorch_model-00001-of-00002.bin"}}
     (snapshot / "pytorch_model.bin.index.json").write_text(json.dumps(index))
     run("acme/tiny", tmp_path / "out", rank=16, rope_dim=16)
-    assert rel_err(logits(tmp_path / "out"), logits(src)) <= 1e-4
+    assert rel_err(logits(tmp_path / "out", TOKENS), logits(src, TOKENS)) <= 1e-4
 
 
 def test_small_shards_are_indexed_and_load(tiny_model, tmp_path):
@@ -308,7 +300,7 @@ def test_small_shards_are_indexed_and_load(tiny_model, tmp_path):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 3 and all((tmp_path / "out" / name).is_file() for name in shards)
     assert shards[0].endswith(f"-of-{len(shards):05d}.safetensors")
-    assert logits(tmp_path / "out").isfinite().all()
+    assert logits(tmp_path / "out", TOKENS).isfinite().all()
 
 
 @pytest.mark.parametrize("family, kv_heads", [("llama", 4), ("qwen2", 2)])
@@ -321,6 +313,6 @@ def test_a_lossy_float32_factorization_matches_the_float64_one(family, kv_heads,
     run(src, tmp_path / "f64", rank=24, rope_dim=8)
     monkeypatch.setattr(conversion, "factor_precision", lambda dtype: torch.float32)
     run(src, tmp_path / "f32", rank=24, rope_dim=8)
-    exact = logits(tmp_path / "f64")
-    assert rel_err(exact, logits(src)) > 1e-2  # lossy: the comparison below is not between two exact models
-    assert rel_err(logits(tmp_path / "f32"), exact) <= 1e-4
+    exact = logits(tmp_path / "f64", TOKENS)
+    assert rel_err(exact, logits(src, TOKENS)) > 1e-2  # lossy: the comparison below is not between two exact models
+    assert rel_err(logits(tmp_path / "f32", TOKENS), exact) <= 1e-4

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import make_model
+from helpers import make_model
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError

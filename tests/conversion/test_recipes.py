@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers import CONFIGS, ROOT, spec_for
 from mlaconv.conversion.options import ConvertOptions, load_recipe, merge_options
 from mlaconv.conversion.plan import check_recipe, kv_cache_figures, plan_shapes, shape_candidates
 from mlaconv.conversion.run import convert
@@ -18,14 +18,9 @@ from mlaconv.source.spec import SourceSpec
 from mlaconv.target.serving import kernel_fit
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-CONFIGS = ROOT / "tests" / "data" / "configs"
 REQUIRED = {"llama-2-7b", "llama-3.1-8b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b-v0.3", "qwen2.5-0.5b",
             "qwen2.5-1.5b", "qwen2.5-7b", "phi-3.5-mini", "phi-4-mini", "smollm3-3b", "granite-3.3-2b", "granite-3.3-8b",
             "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "smollm2-1.7b"}
-
-
-def spec_for(name: str) -> SourceSpec:
-    return SourceSpec.from_config(json.loads((CONFIGS / f"{name}.json").read_text()))
 
 
 def write(tmp_path: Path, text: str, name: str = "test.yaml") -> Path:

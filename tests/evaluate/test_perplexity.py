@@ -8,15 +8,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from typer.testing import CliRunner
 
 import mlaconv.evaluate.perplexity as evaluate_module
-from mlaconv.cli import app
+from helpers import check_documented, invoke
 from mlaconv.errors import MlaconvError
 from mlaconv.evaluate.perplexity import evaluate_perplexity
 from mlaconv.io.models import load_causal_lm
 from mlaconv.io.text import TokenSource, cut_windows, load_eval_tokens
-from test_report_schema import check
 
 VOCAB = 96
 TEXT = """The lighthouse keeper climbed the stairs every evening before the sun went down. He carried a lamp,
@@ -96,7 +94,7 @@ def direct_cross_entropy(folder, windows: list[torch.Tensor]) -> tuple[float, in
 
 
 def cli(*args: str):
-    return CliRunner().invoke(app, ["eval", "perplexity", *map(str, args)])
+    return invoke("eval", "perplexity", *args)
 
 
 def test_perplexity_is_the_exponent_of_plain_cross_entropy_over_non_overlapping_windows(with_tokenizer, text_file,
@@ -390,7 +388,7 @@ def test_position_buckets_on_the_command_line(with_tokenizer, text_file):
         result = cli(folder, *baseline, "--text", text_file, "--window", 32, "--position-buckets", "8,20", "--json")
         buckets = json.loads(result.stdout)["by_position"]
         assert [(b["start"], b["end"]) for b in buckets] == [(0, 8), (8, 20), (20, 32)] and set(buckets[0]) == keys
-        check("eval.by_position[]", buckets[0])  # documented in docs/report.md
+        check_documented("eval.by_position[]", buckets[0])  # documented in docs/report.md
         assert "by position in the window" in result.stderr
     for buckets, message in (("8,x", "--position-buckets '8,x': expected token counts"),
                              ("20,8", "the boundaries must rise from above 0 to at most 30"),

@@ -26,6 +26,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from typer.testing import CliRunner
 
+from helpers import random_tokens, write_tokens
 from mlaconv.cli import app
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
@@ -171,12 +172,6 @@ def test_refusals_raise_with_the_reason():
         engines.engine("trt")
 
 
-def write_tokens(path, rows: int = 3, length: int = 40):
-    ids = torch.randint(0, 96, (rows, length), generator=torch.Generator().manual_seed(9)).tolist()
-    path.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in ids))
-    return path
-
-
 def test_eval_perplexity_engine_vllm_is_the_checkpoint_without_its_biases(tiny_model, tmp_path):
     """``eval perplexity --engine vllm`` on a biased output equals transformers on a copy without the bias
     tensors (what vLLM loads); ``--engine llamacpp`` refuses it in one line."""
@@ -198,7 +193,7 @@ def test_eval_perplexity_engine_vllm_is_the_checkpoint_without_its_biases(tiny_m
         data = json.loads(index.read_text())
         data["weight_map"] = {k: v for k, v in data["weight_map"].items() if not k.endswith(".bias")}
         index.write_text(json.dumps(data))
-    tokens = write_tokens(tmp_path / "ids.jsonl")
+    tokens = write_tokens(tmp_path / "ids.jsonl", random_tokens(3, 40, seed=9))
 
     def evaluate(model, engine):
         result = CliRunner().invoke(app, ["eval", "perplexity", str(model), "--baseline", str(src), "--tokens",
@@ -243,7 +238,7 @@ def test_verify_and_eval_carry_vllms_shape_refusal(tiny_model, tmp_path):
     assert report.verify.engines["vllm"]["differences"]  # its arithmetic (biases dropped) is still measured
     assert "shape_refused" not in report.verify.engines["sglang"]
     result = CliRunner().invoke(app, ["eval", "perplexity", str(out), "--baseline", str(src), "--tokens",
-                                      str(write_tokens(tmp_path / "ids.jsonl")), "--engine", "vllm", "--json", "--quiet"])
+                                      str(write_tokens(tmp_path / "ids.jsonl", random_tokens(3, 40, seed=9))), "--engine", "vllm", "--json", "--quiet"])
     assert result.exit_code == 0, result.output
     assert any("runs MLA only with" in note for note in json.loads(result.stdout)["notes"])
     printed = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "printed"), "--rank", "16", "--rope-dim", "8"])

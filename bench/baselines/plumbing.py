@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
-from mlaconv.conversion.pipeline import SourceLayer, source_layers
+from mlaconv.conversion.pipeline import LayerStep, SourceLayer, source_layers
 from mlaconv.conversion.plan import ShapeChoice, output_config, plan_shapes, residual_scale
 from mlaconv.conversion.run import write_tensors
 from mlaconv.devices import DTYPES
@@ -23,7 +23,6 @@ from mlaconv.io import ShardedWriter, atomic_output_dir
 from mlaconv.mla.attention import scale_input
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
 from mlaconv.mla.layer import AttentionShape, LayerReport, MLAAttention, SourceAttention
-from mlaconv.progress import Progress
 from mlaconv.source.spec import SourceSpec, load_source
 from mlaconv.target.layout import LayerWriter, copy_tokenizer
 
@@ -84,7 +83,7 @@ def assemble(src: SourceAttention, shape: AttentionShape, f: Factorization, resi
     return scale_input(mla, r, gamma**2), dropped
 
 
-class Baseline:
+class Baseline(LayerStep):
     """A baseline as the ``LayerStep`` mlaconv's conversion plugs in: layer i is ``factorize(i, attention)`` in the
     stock plumbing (``assemble``); the attention is the checkpoint's own, or ``layers[i]`` when given."""
 
@@ -100,9 +99,6 @@ class Baseline:
         mla, dropped = assemble(src, self.shape, self.factorize(layer.index, src), self.residual_scale)
         self.dropped.update(dropped)
         return {"baseline": mla}
-
-    def finish(self, progress: Progress) -> None:
-        return None
 
 
 def write_baseline(method: str, source: str | Path, out: str | Path, step: Baseline, shapes: ShapeChoice, stride: int,

@@ -20,7 +20,7 @@ from mlaconv.calibration.rotary_audit import RotaryAudit
 from mlaconv.calibration.streamer import CalibrationOptions, MLARun, SourceStreamer
 from mlaconv.calibration.windows import WindowSplit, load_calibration_tokens, split_windows
 from mlaconv.conversion.options import ConvertOptions
-from mlaconv.conversion.pipeline import SourceLayer, source_layers
+from mlaconv.conversion.pipeline import LayerStep, SourceLayer, source_layers
 from mlaconv.conversion.plan import Plan, ShapeChoice, kv_budget, rope_strides, shape_candidates
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
@@ -326,7 +326,7 @@ def followed_models(layer: CalibratedLayer, followed: dict) -> dict[str, MLAAtte
     return models
 
 
-class CalibratedSteps:
+class CalibratedSteps(LayerStep):
     """The calibrated conversion as a layer step: ``calibrate_layer`` on each layer, both whole models followed on the
     audit windows, and at the end the one with the lower KL written (``written_model``)."""
 

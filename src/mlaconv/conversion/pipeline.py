@@ -14,14 +14,14 @@ back (``absorb``, the GGUF export, the latent-cache runtime).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from mlaconv.calibration.rotary_audit import RotaryAudit
 from mlaconv.calibration.streamer import MLARun, SourceStreamer
 from mlaconv.io import CheckpointReader
-from mlaconv.mla.layer import AttentionShape, LayerOptions, LayerStats, MLAAttention, SourceAttention
+from mlaconv.mla.layer import AttentionShape, LayerOptions, LayerReport, LayerStats, MLAAttention, SourceAttention
 from mlaconv.mla.shared_key import rotating_pairs
 from mlaconv.progress import Progress, no_progress
 from mlaconv.source.spec import SourceSpec
@@ -77,6 +77,28 @@ class SourceLayer:
         if self.streamer is None:
             raise RuntimeError("this pass over the source is not calibrated")
         return self.streamer
+
+
+class LayerStep:
+    """What the layer pass plugs in (``conversion.run.write_tensors``): each layer's converted attention, one version
+    or several to choose from; after the last layer, ``reports`` holds the written layers' ``LayerReport``."""
+
+    reports: list[LayerReport]
+
+    def __call__(self, layer: SourceLayer) -> dict[str, MLAAttention]:
+        raise NotImplementedError
+
+    def convert_layers(self, layers: Iterable[SourceLayer], start: Callable[[], None]
+                       ) -> Iterator[tuple[int, dict[str, MLAAttention]]]:
+        """(index, models) of every layer in order, ``start`` (the writer's outer tensors) run first; one layer at a
+        time, unless a step converts ahead of the writer (``WeightsOnly`` on several threads)."""
+        start()
+        for layer in layers:
+            yield layer.index, self(layer)
+
+    def finish(self, progress: Progress) -> str | None:
+        """After the last layer: which version of the held layers to write (None: there is only one)."""
+        return None
 
 
 def source_layers(reader: CheckpointReader, spec: SourceSpec, streamer: SourceStreamer | None = None,

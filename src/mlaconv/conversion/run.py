@@ -22,12 +22,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing, contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Protocol, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 
 from mlaconv.conversion.options import ConvertOptions
-from mlaconv.conversion.pipeline import SourceLayer, source_layers
+from mlaconv.conversion.pipeline import LayerStep, SourceLayer, source_layers
 from mlaconv.conversion.plan import (Plan, calibration_description, estimate_output_bytes, eval_source,
                                      factor_precision, output_config, output_dtype, plan_conversion, with_rope_stride)
 from mlaconv.conversion.report import conversion_report
@@ -53,20 +53,7 @@ LAYER_MEMORY = 2**30  # weights only: a second layer is factored at once only be
 Checked = TypeVar("Checked")
 
 
-class LayerStep(Protocol):
-    """What the layer pass plugs in: each layer's converted attention, one version or several to choose from."""
-
-    def __call__(self, layer: SourceLayer) -> dict[str, MLAAttention]: ...
-
-    def finish(self, progress: Progress) -> str | None:
-        """After the last layer: which version of the held layers to write (None: there is only one)."""
-
-    @property
-    def reports(self) -> list[LayerReport]:
-        """The written layers' reports."""
-
-
-class WeightsOnly:
+class WeightsOnly(LayerStep):
     """Each layer converted from its weights alone (``convert_attention``), cast to the output dtype at once.
 
     ``ahead`` factors the next layers on ``workers`` threads while the caller writes one: torch's operators release
@@ -80,6 +67,13 @@ class WeightsOnly:
 
     def __call__(self, layer: SourceLayer) -> dict[str, MLAAttention]:
         return self._collect(self._convert(layer.attention))
+
+    def convert_layers(self, layers: Iterable[SourceLayer], start: Callable[[], None]
+                       ) -> Iterator[tuple[int, dict[str, MLAAttention]]]:
+        # one layer at a time unless two run at once: an interrupt then waits for one operator, not a layer
+        if self.workers > 1:
+            return self.ahead(layers, start)
+        return super().convert_layers(layers, start)
 
     def ahead(self, layers: Iterable[SourceLayer], start: Callable[[], None]
               ) -> Iterator[tuple[int, dict[str, MLAAttention]]]:
@@ -111,9 +105,6 @@ class WeightsOnly:
         mla, report = converted
         self._reports.append(report)
         return {"weights-only": mla}
-
-    def finish(self, progress: Progress) -> str | None:
-        return None
 
     @property
     def reports(self) -> list[LayerReport]:
@@ -253,12 +244,7 @@ def write_tensors(output: LayerWriter, layers: Iterable[SourceLayer], step: Laye
                   progress: Progress = no_progress) -> None:
     """Every tensor of the converted checkpoint: the outer ones, each layer as ``step`` converts it, then the chosen
     version of the layers ``step`` held."""
-    # one layer at a time unless two run at once: an interrupt then waits for one operator, not a layer
-    if isinstance(step, WeightsOnly) and step.workers > 1:
-        converted = step.ahead(layers, start=output.outer)
-    else:
-        output.outer()
-        converted = ((layer.index, step(layer)) for layer in layers)
+    converted = step.convert_layers(layers, start=output.outer)
     with closing(converted):  # on an error, the layer threads end before the folder goes
         for index, models in converted:
             output.layer(index, models)

@@ -47,6 +47,7 @@ from mlaconv.targets import target_report
 from mlaconv.verdict import conversion_verdict
 
 WRITE_AHEAD_BYTES = 64 * 2**20  # tensors waiting for the writer's thread, at most (or one larger)
+HEAL_PER_CALIBRATION_TOKEN = 4  # a conversion's default healing: at most this many tokens per calibration token
 LAYER_MEMORY = 2**30  # weights only: a second layer is factored at once only below this working set
 
 
@@ -221,8 +222,9 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             from mlaconv.heal.run import heal_folder
 
             report.heal = _after_conversion(lambda: heal_folder(
-                tmp, tmp, folder, spec, plan.calibration, HealOptions(tokens=options.heal_tokens,
-                                                                      device=options.calibration_device),
+                tmp, tmp, folder, spec, plan.calibration, HealOptions(
+                    tokens=options.heal_tokens, max_tokens=HEAL_PER_CALIBRATION_TOKEN * options.calib_tokens,
+                    device=options.calibration_device),
                 plan.shapes.rank, options.delta, progress, window_cap=options.calib_window), "healing")
         if options.verify:
             from mlaconv.verify import verify

@@ -74,7 +74,7 @@ def heal_folder(folder: Path, into: Path, source: Path, spec, data: CalibrationD
     timed = time.perf_counter()
     select_targets = teacher_targets(teacher, windows[select], options.top_k, progress, "source on the select windows")
     seconds_per_token = (time.perf_counter() - timed) / (len(select) * window)
-    tokens = options.tokens or default_tokens(options.device, seconds_per_token, window, options.batch, len(pool))
+    tokens = options.tokens or default_tokens(options, seconds_per_token, window, len(pool))
     steps = max(1, tokens // (options.batch * window))
     train_ids = pool[: steps * options.batch]  # fewer than the steps draw: they are drawn epoch after epoch
     estimate = seconds_per_token * window * (len(train_ids) + steps * options.batch * STEP_COST)

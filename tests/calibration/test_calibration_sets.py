@@ -101,6 +101,9 @@ def test_audit_windows_choose_nothing(tiny_model, tmp_path):
                for name, tokens in runs.items()}
     sets = reports["base"].calibration.window_sets
     assert sets.select == list(split_windows(16).select) and sets.audit == list(split_windows(16).audit)
+    heal = reports["base"].heal  # healing chose a step, on the select windows, and measured on the audit windows
+    assert heal.best_step > 0 and heal.select_windows == sets.select[:4] and heal.held_out_windows == sets.audit[:4]
+    assert not set(heal.train_windows) & (set(sets.select) | set(sets.audit))
     assert reports["audit"].calibration.selection == reports["base"].calibration.selection
     assert reports["audit"].layer_variant == reports["base"].layer_variant
     first, second = tensors(tmp_path / "base"), tensors(tmp_path / "audit")
@@ -124,7 +127,8 @@ def test_whole_model_check_is_what_transformers_computes(tiny_model, tmp_path):
     src = tiny_model(family="qwen2", kv_heads=2, head_dim=16, layers=3, eps=1e-5)
     tokens = random_tokens(16, 32, 96, seed=5)
     report = convert(str(src), tmp_path / "out", calibrated(tmp_path, tokens, "calib", rank=8, refine_steps=40,
-                                                            dtype="float32"))
+                                                            dtype="float32", heal_tokens=0))  # healing would
+    # change the written model after this check, which measures the calibration's own output
     whole = report.calibration.whole_model
     assert whole.refined is not None and whole.closed_form is not None
     assert whole.tokens == len(report.calibration.window_sets.audit) * 32

@@ -28,12 +28,24 @@ class CalibrationData:
 
 def load_calibration_tokens(source: Path, spec: SourceSpec, files: list[str], dataset: str | None,
                             tokens: int, window: int, seed: int = 0) -> torch.Tensor:
-    """[B, S] calibration windows: text (tokenized once with the source tokenizer) or token-id files.
+    """[B, S] calibration windows: ``tokens // window`` of the data's windows (``cut_windows``, at least one), drawn
+    with a fixed seed (``drawn_windows``)."""
+    windows = cut_windows(source, spec, files, dataset, window)
+    return windows[drawn_windows(windows.shape[0], tokens // windows.shape[1], seed)]
+
+
+def drawn_windows(count: int, wanted: int, seed: int = 0) -> torch.Tensor:
+    """The indices (ascending) of ``wanted`` of ``count`` windows drawn with ``seed`` (all when fewer, one at least)."""
+    wanted = max(1, min(count, wanted))
+    return torch.randperm(count, generator=torch.Generator().manual_seed(seed))[:wanted].sort().values
+
+
+def cut_windows(source: Path, spec: SourceSpec, files: list[str], dataset: str | None, window: int) -> torch.Tensor:
+    """Every non-overlapping window [N, S] of the calibration data, in order: text (tokenized once with the source
+    tokenizer) or token-id files.
 
     Text files and a Hugging Face dataset (``NAME[:CONFIG[:SPLIT]]``, train split by default) are
     joined with blank lines and tokenized once; ``.jsonl`` files hold ``{"input_ids": [...]}`` lines.
-    Non-overlapping windows of ``window`` tokens are cut, and ``tokens // window`` of them (at least
-    one) are drawn with a fixed seed.
     """
     window = min(window, spec.max_position_embeddings)
     if window < 2:
@@ -57,9 +69,7 @@ def load_calibration_tokens(source: Path, spec: SourceSpec, files: list[str], da
     windows = [seq[k : k + window] for seq in sequences for k in range(0, len(seq) - window + 1, window)]
     if not windows:
         raise MlaconvError(f"the calibration data is shorter than one window of {window} tokens")
-    count = max(1, min(len(windows), tokens // window))
-    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))[:count].sort().values
-    ids = torch.stack([windows[k] for k in order.tolist()])
+    ids = torch.stack(windows)
     if ids.max() >= spec.vocab_size:
         raise MlaconvError(f"calibration token ids fall outside the vocabulary (size {spec.vocab_size})")
     return ids

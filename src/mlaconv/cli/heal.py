@@ -11,8 +11,8 @@ from rich.markup import escape
 from mlaconv.cli import app
 from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
                                  report_console)
-from mlaconv.heal.distill import CHECK_EVERY, CPU_SECONDS, CUDA_TOKENS, DEFAULT_BATCH, DEFAULT_LR, DEFAULT_TOP_K, \
-    DEFAULT_WINDOW
+from mlaconv.heal.distill import CHECK_EVERY, CPU_SECONDS, CPU_TOKENS, CUDA_TOKENS, DEFAULT_BATCH, DEFAULT_LR, \
+    DEFAULT_TOP_K, DEFAULT_WINDOW
 from mlaconv.report.conversion import HealReport
 
 
@@ -28,7 +28,7 @@ def heal(
                                                                               "NAME[:CONFIG[:SPLIT]] (local cache)."),
     tokens: Optional[int] = typer.Option(None, "--tokens", help=f"Training tokens (default: on a GPU {CUDA_TOKENS:,}; "
                                          f"on a CPU as many as fit in {CPU_SECONDS // 60} minutes at this machine's "
-                                         "measured speed)."),
+                                         f"measured speed, at most {CPU_TOKENS:,})."),
     window: int = typer.Option(DEFAULT_WINDOW, "--window", help="Tokens per training window."),
     batch: int = typer.Option(DEFAULT_BATCH, "--batch", help="Windows per step."),
     lr: float = typer.Option(DEFAULT_LR, "--lr", help="Adam's step relative to each row's RMS."),

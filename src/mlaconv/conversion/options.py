@@ -106,8 +106,8 @@ class ConvertOptions:
     refine_check_every: int = CHECK_EVERY  # steps between select-window measurements when refine_steps is given
     heal_tokens: int | None = option(None, "Heal the converted model (`mlaconv heal`): train its attention tensors end "
                                            "to end towards the source on this many tokens of the calibration data "
-                                           "(default: on a GPU 2M, on a CPU what fits in 30 min, at most 4 passes over "
-                                           "the data; 0: off).", int, recipe=(int,))
+                                           "(default: 4 per calibration token, on a CPU at most what fits in 30 min; "
+                                           "0: off).", int, recipe=(int,))
     absorbed: bool = option(False, "Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to "
                                    "OUT/absorbed.", bool)
     recipe: str | None = None

@@ -47,6 +47,7 @@ from mlaconv.target.model_card import write_model_card
 from mlaconv.target.targets import target_report
 
 WRITE_AHEAD_BYTES = 64 * 2**20  # tensors waiting for the writer's thread, at most (or one larger)
+HEAL_PER_CALIBRATION_TOKEN = 4  # a conversion's default healing: at most this many tokens per calibration token
 LAYER_MEMORY = 2**30  # weights only: a second layer is factored at once only below this working set
 
 
@@ -208,13 +209,7 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             report.mode = "calibrated"
             report.calibration = step.report()
         if plan.calibrated and options.heal_tokens != 0:
-            from mlaconv.heal import HealOptions
-            from mlaconv.heal.run import heal_folder
-
-            report.heal = _after_conversion(lambda: heal_folder(
-                tmp, tmp, folder, spec, plan.calibration, HealOptions(tokens=options.heal_tokens,
-                                                                      device=options.calibration_device),
-                plan.shapes.rank, options.delta, progress, window_cap=options.calib_window), "healing")
+            report.heal = _after_conversion(lambda: _heal(tmp, folder, plan, options, progress), "healing")
         if options.verify:
             from mlaconv.evaluate.verify import verify
 
@@ -261,6 +256,17 @@ def _after_conversion(check: Callable[[], Checked], what: str) -> Checked | Fail
         return Failure(f"{what} failed: {exc}")
     except Exception as exc:  # a bug in a check must not cost the user the conversion
         return Failure(f"{what} failed unexpectedly: {type(exc).__name__}: {exc}")
+
+
+def _heal(converted: Path, source: Path, plan: Plan, options: ConvertOptions, progress: Progress):
+    """Heal the fresh conversion in place on its own calibration windows (``heal.run.conversion_data``)."""
+    from mlaconv.heal import HealOptions
+    from mlaconv.heal.run import conversion_data, heal_folder
+
+    data = conversion_data(source, plan.spec, plan.calibration, options.calib_tokens, options.calib_window)
+    heal_options = HealOptions(tokens=options.heal_tokens, max_tokens=HEAL_PER_CALIBRATION_TOKEN * options.calib_tokens,
+                               device=options.calibration_device)
+    return heal_folder(converted, converted, source, data, heal_options, plan.shapes.rank, options.delta, progress)
 
 
 def _retrieval(converted: Path, source: Path, out: Path, options: ConvertOptions, progress: Progress):

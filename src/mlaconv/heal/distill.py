@@ -35,7 +35,10 @@ DEFAULT_BATCH = 4  # windows per step
 DEFAULT_TOP_K = 64
 HELD_WINDOWS = 4  # select windows, and held-out windows, each
 CHECK_EVERY = 25  # steps between two measurements on the select windows
-CPU_SECONDS = 1800  # a CPU's default budget: as many tokens as fit in this, by the source's measured speed
+CPU_SECONDS = 1800  # a CPU's default budget: as many tokens as fit in this at CPU_FLOPS …
+CPU_TOKENS = 2**18  # … and no more than this
+CPU_FLOPS = 1.5e11  # what healing sustains on the 2 cores of this project's machine (SmolLM2-135M: 7.7 ms a token
+# for the source's forward and a step's forward, backward and update, 4.5 forward passes' work)
 CUDA_TOKENS = 2**21  # a GPU's default budget
 MAX_EPOCHS = 4  # the default budget's passes over the training windows, at most
 STEP_COST = 3.5  # one training token costs about this many source forward tokens (forward, backward, the update)
@@ -43,7 +46,8 @@ STEP_COST = 3.5  # one training token costs about this many source forward token
 
 @dataclass(frozen=True)
 class HealOptions:
-    tokens: int | None = None  # training tokens (None: CPU_SECONDS of this machine, or CUDA_TOKENS)
+    tokens: int | None = None  # training tokens (None: ``default_tokens``)
+    max_tokens: int | None = None  # the default budget's cap (None: CPU_TOKENS on a CPU, CUDA_TOKENS on a GPU)
     window: int = DEFAULT_WINDOW
     batch: int = DEFAULT_BATCH
     lr: float = DEFAULT_LR
@@ -188,14 +192,16 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
     return best_state, training
 
 
-def default_tokens(device: str, seconds_per_token: float, window: int, batch: int, windows: int) -> int:
-    """The default budget: CUDA_TOKENS on a GPU; on a CPU as many whole steps as fit in CPU_SECONDS at
-    ``seconds_per_token`` of the source's forward pass (measured); either way at most MAX_EPOCHS passes over the
-    ``windows`` training windows, and at least one step."""
-    step_tokens = window * batch
-    tokens = CUDA_TOKENS if device.startswith("cuda") else \
-        int(CPU_SECONDS / (STEP_COST * seconds_per_token * step_tokens)) * step_tokens
-    return max(step_tokens, min(tokens, MAX_EPOCHS * windows * window))
+def default_tokens(options: HealOptions, parameters: int, window: int, windows: int) -> int:
+    """The default budget: on a GPU CUDA_TOKENS; on a CPU CPU_TOKENS, or fewer where a model of ``parameters``
+    weights would take over CPU_SECONDS at CPU_FLOPS; ``options.max_tokens`` in place of either cap when given; at
+    most MAX_EPOCHS passes over the ``windows`` training windows, at least one step. A function of the shapes alone,
+    so that the same inputs give the same output on any machine."""
+    step_tokens = window * options.batch
+    gpu = options.device.startswith("cuda")
+    cap = options.max_tokens or (CUDA_TOKENS if gpu else CPU_TOKENS)
+    fits = cap if gpu else int(CPU_SECONDS * CPU_FLOPS / (2 * parameters * (1 + STEP_COST)))
+    return max(step_tokens, min(fits, cap, MAX_EPOCHS * windows * window) // step_tokens * step_tokens)
 
 
 def check_options(options: HealOptions) -> None:

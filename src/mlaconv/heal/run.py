@@ -9,12 +9,12 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from mlaconv.calibration.windows import CalibrationData, load_calibration_tokens
+from mlaconv.calibration.windows import CalibrationData, cut_windows, drawn_windows, split_windows
 from mlaconv.errors import MlaconvError
 from mlaconv.heal.distill import (HELD_WINDOWS, STEP_COST, TRAINED, HealOptions, check_options, default_tokens,
                                   teacher_targets, train)
@@ -29,8 +29,43 @@ from mlaconv.source import names
 from mlaconv.source.spec import load_source
 from mlaconv.target import deepseek
 
-ALL_WINDOWS = 2**40  # ask ``load_calibration_tokens`` for every window the data holds
 BOUND_SLACK = 1e-3  # a bound over δ by less than this share is the conversion's own δ in rounding, left as it is
+
+
+@dataclass(frozen=True)
+class HealData:
+    """The windows healing uses: ``windows`` [N, W] of the data and which of them train, select and are held out; each
+    window is cut into chunks of the healing window for the steps and the measurements."""
+
+    windows: torch.Tensor
+    train: list[int]
+    select: list[int]
+    held_out: list[int]
+    description: str  # what the data is, for the report
+
+
+def split_data(source: Path, spec, data: CalibrationData, options: HealOptions) -> HealData:
+    """``mlaconv heal``'s own split of the data's windows of ``options.window``: select and held-out windows
+    (``HELD_WINDOWS`` each) at random (``options.seed``), the rest to train on."""
+    windows = cut_windows(source, spec, list(data.files), data.dataset, options.window)
+    if windows.shape[0] < 2 * HELD_WINDOWS + 1:
+        raise MlaconvError(f"the calibration data holds {windows.shape[0]} windows of {windows.shape[1]} tokens; "
+                           f"healing needs at least {2 * HELD_WINDOWS + 1} (give more text or a smaller --window)")
+    order = torch.randperm(windows.shape[0], generator=torch.Generator().manual_seed(options.seed)).tolist()
+    return HealData(windows, sorted(order[2 * HELD_WINDOWS:]), sorted(order[:HELD_WINDOWS]),
+                    sorted(order[HELD_WINDOWS:2 * HELD_WINDOWS]), data.description)
+
+
+def conversion_data(source: Path, spec, data: CalibrationData, calib_tokens: int, calib_window: int) -> HealData:
+    """A conversion's own windows (``calibrated``: the same cut, draw and split): healing trains on its fit windows and
+    on the windows of the data it did not draw, chooses on its select windows and is measured on its audit windows,
+    which therefore still choose nothing."""
+    windows = cut_windows(source, spec, list(data.files), data.dataset, calib_window)
+    drawn = drawn_windows(windows.shape[0], calib_tokens // windows.shape[1]).tolist()
+    split = split_windows(len(drawn))
+    select, held = [drawn[k] for k in split.select], [drawn[k] for k in split.audit]
+    train = [k for k in range(windows.shape[0]) if k not in set(select) | set(held)]
+    return HealData(windows, train, select[:HELD_WINDOWS], held[:HELD_WINDOWS], data.description)
 
 
 def heal(folder: str | Path, source: str, out: str | Path, data: CalibrationData, options: HealOptions,
@@ -48,61 +83,62 @@ def heal(folder: str | Path, source: str, out: str | Path, data: CalibrationData
     elif not force:
         raise MlaconvError(f"healing {folder} in place replaces it: pass --force, or --out NEW for a new folder")
     _check_pair(folder, spec)
+    windows = split_data(source_folder, spec, data, options)
     with atomic_output_dir(out, force=force) as tmp:
-        result = heal_folder(folder, tmp, source_folder, spec, data, options, report.kv_lora_rank,
+        result = heal_folder(folder, tmp, source_folder, windows, options, report.kv_lora_rank,
                              report.latent_norm.delta or DEFAULT_DELTA, progress)
         result.seconds = round(time.perf_counter() - started, 1)
         _update_report(tmp, out, source_folder, spec, report, result)
     return result
 
 
-def heal_folder(folder: Path, into: Path, source: Path, spec, data: CalibrationData, options: HealOptions, rank: int,
-                delta: float, progress: Progress = no_progress, window_cap: int | None = None) -> HealReport:
-    """Heal the converted checkpoint in ``folder`` (latent rank ``rank``, tiny-latent bound ``delta``) towards
-    ``source`` into the folder ``into`` (``folder`` itself: its shards rewritten in place), on windows of
-    ``options.window`` tokens or ``window_cap`` if shorter (a conversion's calibration window)."""
-    started = time.perf_counter()
-    window = min(options.window, window_cap or options.window)
-    windows = load_calibration_tokens(source, spec, list(data.files), data.dataset, ALL_WINDOWS, window, options.seed)
-    if windows.shape[0] < 2 * HELD_WINDOWS + 1:
-        raise MlaconvError(f"the calibration data holds {windows.shape[0]} windows of {windows.shape[1]} tokens; "
-                           f"healing needs at least {2 * HELD_WINDOWS + 1} (give more text or a smaller --window)")
-    order = torch.randperm(windows.shape[0], generator=torch.Generator().manual_seed(options.seed)).tolist()
-    select, held, pool = order[:HELD_WINDOWS], order[HELD_WINDOWS:2 * HELD_WINDOWS], order[2 * HELD_WINDOWS:]
-    window = windows.shape[1]
+def chunks(windows: torch.Tensor, length: int) -> torch.Tensor:
+    """[N, W] windows cut into [N·(W // length), length] (what is left of each window dropped)."""
+    per = windows.shape[1] // length
+    return windows[:, : per * length].reshape(-1, length)
 
+
+def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options: HealOptions, rank: int,
+                delta: float, progress: Progress = no_progress) -> HealReport:
+    """Heal the converted checkpoint in ``folder`` (latent rank ``rank``, tiny-latent bound ``delta``) towards
+    ``source`` into the folder ``into`` (``folder`` itself: its shards rewritten in place), on ``data``'s windows cut
+    into ``options.window``-token chunks (shorter when its windows are)."""
+    started = time.perf_counter()
+    window = min(options.window, data.windows.shape[1])
+    train_pool, select, held = (chunks(data.windows[ids], window) for ids in (data.train, data.select, data.held_out))
     teacher = load_causal_lm(source, torch.float32, device=options.device)
-    timed = time.perf_counter()
-    select_targets = teacher_targets(teacher, windows[select], options.top_k, progress, "source on the select windows")
-    seconds_per_token = (time.perf_counter() - timed) / (len(select) * window)
-    tokens = options.tokens or default_tokens(options.device, seconds_per_token, window, options.batch, len(pool))
+    parameters = sum(p.numel() for p in teacher.parameters())
+    tokens = options.tokens or default_tokens(options, parameters, window, train_pool.shape[0])
     steps = max(1, tokens // (options.batch * window))
-    train_ids = pool[: steps * options.batch]  # fewer than the steps draw: they are drawn epoch after epoch
+    train_ids = list(range(min(train_pool.shape[0], steps * options.batch)))  # drawn epoch after epoch if fewer
+    timed = time.perf_counter()
+    select_targets = teacher_targets(teacher, select, options.top_k, progress, "source on the select windows")
+    seconds_per_token = (time.perf_counter() - timed) / select.numel()
     estimate = seconds_per_token * window * (len(train_ids) + steps * options.batch * STEP_COST)
-    train_targets = teacher_targets(teacher, windows[train_ids], options.top_k, progress,
+    train_targets = teacher_targets(teacher, train_pool[train_ids], options.top_k, progress,
                                     "source on the training windows")
     del teacher
 
-    before = _held_out_figures(folder, source, windows[held], progress)
+    before = _held_out_figures(folder, source, held, progress)
     model = load_causal_lm(folder, torch.float32, device=options.device)
     label = f"healing: {steps} steps of {options.batch} × {window} tokens (~{estimate / 60:.0f} min by this machine's speed)"
-    state, training = train(model, windows[train_ids], train_targets, windows[select], select_targets, steps,
-                            options, progress, label)
+    state, training = train(model, train_pool[train_ids], train_targets, select, select_targets, steps, options,
+                            progress, label)
     del model
     if training.best_step == 0:
         state = {}  # no step did better on the select windows: the model is written as it was
     state, bound, rescaled = _tiny_latent(folder, rank, delta, state)
     _rewrite(folder, into, state)
-    after = _held_out_figures(into, source, windows[held], progress)
+    after = _held_out_figures(into, source, held, progress)
     return HealReport(
         source=str(source), calibration_data=data.description, window=window, batch=options.batch, lr=options.lr,
         top_k=options.top_k, device=options.device, trained=[f"self_attn.{name}" for name in TRAINED],
         tokens=steps * options.batch * window, steps=steps, best_step=training.best_step,
-        train_windows=len(train_ids), select_windows=select, held_out_windows=held,
-        select_kl_before=training.select_before, select_kl_after=training.select_after,
-        curve=[list(point) for point in training.curve], held_out_before=before, held_out_after=after,
-        latent_bound=bound, rescaled_layers=rescaled, estimated_seconds=round(estimate, 1),
-        seconds=round(time.perf_counter() - started, 1))
+        data_window=data.windows.shape[1], train_windows=data.train, select_windows=data.select,
+        held_out_windows=data.held_out, select_kl_before=training.select_before,
+        select_kl_after=training.select_after, curve=[list(point) for point in training.curve],
+        held_out_before=before, held_out_after=after, latent_bound=bound, rescaled_layers=rescaled,
+        estimated_seconds=round(estimate, 1), seconds=round(time.perf_counter() - started, 1))
 
 
 def _converted_report(folder: Path) -> ConversionReport:

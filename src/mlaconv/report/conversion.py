@@ -190,7 +190,8 @@ class HealReport(Record):
     tokens: int
     steps: int
     best_step: int
-    train_windows: int
+    data_window: int  # the windows of the data the next three index, each cut into ``window``-token chunks
+    train_windows: list[int]
     select_windows: list[int]
     held_out_windows: list[int]
     select_kl_before: float

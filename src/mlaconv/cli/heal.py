@@ -27,8 +27,8 @@ def heal(
     calib_dataset: Optional[str] = typer.Option(None, "--calib-dataset", help="… or a Hugging Face dataset "
                                                                               "NAME[:CONFIG[:SPLIT]] (local cache)."),
     tokens: Optional[int] = typer.Option(None, "--tokens", help=f"Training tokens (default: on a GPU {CUDA_TOKENS:,}; "
-                                         f"on a CPU as many as fit in {CPU_SECONDS // 60} minutes at this machine's "
-                                         f"measured speed, at most {CPU_TOKENS:,})."),
+                                         f"on a CPU as many as a model of its size takes in {CPU_SECONDS // 60} "
+                                         f"minutes on 2 cores, at most {CPU_TOKENS:,})."),
     window: int = typer.Option(DEFAULT_WINDOW, "--window", help="Tokens per training window."),
     batch: int = typer.Option(DEFAULT_BATCH, "--batch", help="Windows per step."),
     lr: float = typer.Option(DEFAULT_LR, "--lr", help="Adam's step relative to each row's RMS."),

@@ -58,8 +58,9 @@ def convert(out: Path, args: list[str]) -> tuple[dict, float, float]:
 def convert_baseline(out: Path, method: str, kv_keep: float) -> tuple[dict, float, float]:
     """A bench baseline of the source at ``kv_keep`` → its report, wall and CPU seconds (this process)."""
     from bench.baselines.methods import convert_transmla
-    from mlaconv.calibration_windows import load_calibration_tokens
-    from mlaconv.plan import GENERAL_TEXT, load_source
+    from mlaconv.calibration.windows import load_calibration_tokens
+    from mlaconv.conversion.plan import GENERAL_TEXT
+    from mlaconv.source.spec import load_source
 
     if method != "transmla":
         raise SystemExit(f"unknown baseline {method}")

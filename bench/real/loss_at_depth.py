@@ -50,7 +50,7 @@ def kl_top1(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, float]
 
 
 def main() -> None:
-    from mlaconv.models import load_causal_lm, load_tokenizer
+    from mlaconv.io.models import load_causal_lm, load_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("converted", type=Path)

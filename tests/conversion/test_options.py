@@ -17,7 +17,7 @@ from mlaconv.inspect.spectra import SpectraOptions
 
 # Options only the Python API sets (tests, the bench, the library's own callers).
 PYTHON_ONLY = {"delta", "layer_search", "refine_tokens", "refine_batch", "refine_check_every", "recipe",
-               "recipe_applied", "eval_batch_size", "extra_report"}
+               "recipe_applied", "eval_batch_size"}
 
 
 def command(*path: str):

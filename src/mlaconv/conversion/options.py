@@ -125,7 +125,6 @@ class ConvertOptions:
                                          "with --kv-keep an r + R vLLM runs where the budget holds one), transformers "
                                          "(biases and the source's rope_scaling kept), vllm (as portable, refusing "
                                          "shapes vLLM does not run), sglang, llamacpp.", str, recipe=(str,))
-    extra_report: dict = field(default_factory=dict)
     recipe_applied: bool = field(default=False, repr=False)  # a field, so that ``dataclasses.replace`` keeps it
 
     def __post_init__(self) -> None:

@@ -37,7 +37,7 @@ def conversion_report(spec: SourceSpec, shapes: ShapeChoice, config: dict, repor
         source=str(source),
         source_id=source_id,
         source_revision=source.name if source.parent.name == "snapshots" else None,
-        settings={k: v for k, v in asdict(options).items() if k not in ("extra_report", "force", "recipe_applied")},
+        settings={k: v for k, v in asdict(options).items() if k not in ("force", "recipe_applied")},
         architecture=spec.family.label,
         source_shape=SourceShape(spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                  spec.rotary_dim, [i for i, rotated in enumerate(spec.rope_layers) if not rotated]),

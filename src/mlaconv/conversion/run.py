@@ -228,7 +228,6 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             manifest = write_absorbed(tmp, shard_size=options.shard_size)
             report.absorbed = Absorbed(str(out / "absorbed"), len(manifest["tensors"]),
                                        manifest["latent_norm"]["max_relative_nonlinearity"])
-        report.extra = options.extra_report
         (tmp / "mlaconv.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
         write_model_card(tmp, report)
     report.seconds = round(time.perf_counter() - started, 3)

@@ -266,5 +266,4 @@ class ConversionReport(Record):
     verdict: Verdict | None = optional()
     heal: HealReport | Failure | None = optional()
     absorbed: Absorbed | None = optional()
-    extra: dict = field(default_factory=dict, metadata={"merge": True})  # ConvertOptions.extra_report
     seconds: float | None = optional()

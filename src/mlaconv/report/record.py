@@ -15,7 +15,7 @@ def optional(when: str | None = None) -> Any:
 @dataclass
 class Record:
     """A JSON object with a fixed set of keys: the dataclass fields, renamed by ``metadata["key"]`` where a key is
-    no identifier, left out as ``optional`` says, and a ``metadata["merge"]`` dict's keys added at its place."""
+    no identifier, left out as ``optional`` says."""
 
     def to_json(self) -> dict:
         out: dict = {}
@@ -23,24 +23,17 @@ class Record:
             value = getattr(self, f.name)
             if "when" in f.metadata and getattr(self, f.metadata["when"] or f.name) is None:
                 continue
-            if f.metadata.get("merge"):
-                out.update(value)
-            else:
-                out[f.metadata.get("key", f.name)] = _to_json(value)
+            out[f.metadata.get("key", f.name)] = _to_json(value)
         return out
 
     @classmethod
     def from_json(cls, data: dict) -> Any:
-        """The record a ``to_json`` object describes (keys it does not know go to a ``merge`` field)."""
-        hints, values, known = get_type_hints(cls), {}, set()
+        """The record a ``to_json`` object describes (keys it does not know are left out)."""
+        hints, values = get_type_hints(cls), {}
         for f in fields(cls):
             key = f.metadata.get("key", f.name)
-            known.add(key)
             if key in data:
                 values[f.name] = _from_json(hints[f.name], data[key])
-        merged = [f.name for f in fields(cls) if f.metadata.get("merge")]
-        if merged:
-            values[merged[0]] = {key: value for key, value in data.items() if key not in known}
         return cls(**values)
 
     @classmethod

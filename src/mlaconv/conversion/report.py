@@ -1,30 +1,49 @@
-"""The ``ConversionReport`` of a finished conversion: its top-level figures, from the plan and the written layers'
-``LayerReport``s (``conversion.run.convert`` adds the optional sections)."""
+"""The ``ConversionReport`` of a finished conversion, built in one place: its top-level figures from the plan and the
+written layers' ``LayerReport``s, and the sections of the steps after the layers (``Sections``)."""
 
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from mlaconv import __version__
 from mlaconv.conversion.options import ConvertOptions
-from mlaconv.conversion.plan import ShapeChoice, kv_cache_figures
+from mlaconv.conversion.plan import Plan, kv_cache_figures
+from mlaconv.evaluate.verdict import conversion_verdict
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
 from mlaconv.mla.layer import LayerReport
-from mlaconv.report import ConversionReport
-from mlaconv.report.conversion import EnergyFigures, KVFigures, LatentNorm, SourceShape, TargetReport
-from mlaconv.source.spec import SourceSpec
+from mlaconv.report import ConversionReport, EvalReport, RetrievalReport
+from mlaconv.report.conversion import (Absorbed, Calibration, EnergyFigures, HealReport, KVFigures, LatentNorm,
+                                       ShapeSearch, SourceShape, TargetReport, Verification)
+from mlaconv.report.record import Failure
 from mlaconv.target.engines import BIASES
 from mlaconv.target.serving import serving_notes
 
 
-def conversion_report(spec: SourceSpec, shapes: ShapeChoice, config: dict, reports: list[LayerReport], out: Path,
-                      source_id: str | None, source: Path, dtype: torch.dtype, residual_scale: float,
-                      options: ConvertOptions, copied: list[str], target: TargetReport) -> ConversionReport:
-    """The report's top-level figures of the written layers (``reports``); the optional sections come after."""
+@dataclass
+class Sections:
+    """What the steps after the layers add to the report (each None where it did not run); a step that failed is its
+    ``Failure``."""
+
+    shape_search: ShapeSearch | None = None
+    calibration_data: str | None = None
+    calibration: Calibration | None = None
+    heal: HealReport | Failure | None = None
+    verify: Verification | Failure | None = None
+    eval: EvalReport | Failure | None = None
+    retrieval: RetrievalReport | Failure | None = None
+    absorbed: Absorbed | None = None
+
+
+def conversion_report(plan: Plan, config: dict, reports: list[LayerReport], out: Path, given: str,
+                      dtype: torch.dtype, options: ConvertOptions, copied: list[str], target: TargetReport,
+                      sections: Sections) -> ConversionReport:
+    """The report of the conversion ``plan`` of ``given`` (a path, or a hub id) written to ``out``: the figures of
+    its written layers (``reports``), its ``sections`` and the verdict they give."""
+    spec, shapes, source = plan.spec, plan.shapes, plan.folder
     kv = kv_cache_figures(spec, shapes, dtype)
     energy = [r.energy_retained for r in reports]
     rope_kept = [r.rope_energy_kept for r in reports]
@@ -35,14 +54,14 @@ def conversion_report(spec: SourceSpec, shapes: ShapeChoice, config: dict, repor
         transformers_version=importlib.metadata.version("transformers"),
         output=str(out),
         source=str(source),
-        source_id=source_id,
+        source_id=None if Path(given).expanduser().exists() else given,  # a hub id, not a local path
         source_revision=source.name if source.parent.name == "snapshots" else None,
         settings={k: v for k, v in asdict(options).items() if k not in ("force", "recipe_applied")},
         architecture=spec.family.label,
         source_shape=SourceShape(spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                  spec.rotary_dim, [i for i, rotated in enumerate(spec.rope_layers) if not rotated]),
         recipe=options.recipe,
-        mode="weights-only",
+        mode="weights-only" if sections.calibration is None else "calibrated",
         dtype=str(dtype).replace("torch.", ""),
         kv_lora_rank=shapes.rank,
         qk_rope_head_dim=shapes.rope_dim,
@@ -65,12 +84,21 @@ def conversion_report(spec: SourceSpec, shapes: ShapeChoice, config: dict, repor
         value_error=[r.value_error for r in reports],
         objective_retained=[r.objective_retained for r in reports],
         latent_norm=LatentNorm(LATENT_NORM_EPS, options.delta, max(r.latent_bound for r in reports)),
-        residual_scale=residual_scale,
+        residual_scale=plan.layer.residual_scale,
         source_rms_norm_eps=spec.rms_norm_eps,
         dropped_bias=dropped,
         tokenizer_files=copied,
         serving=serving_notes(spec, config, dropped),
         target=target,
+        shape_search=sections.shape_search,
+        calibration_data=sections.calibration_data,
+        calibration=sections.calibration,
+        verify=sections.verify,
+        eval=sections.eval,
+        retrieval=sections.retrieval,
+        verdict=conversion_verdict(sections.verify, sections.eval),
+        heal=sections.heal,
+        absorbed=sections.absorbed,
     )
 
 

@@ -30,10 +30,9 @@ from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.pipeline import LayerStep, SourceLayer, source_layers
 from mlaconv.conversion.plan import (Plan, calibration_description, estimate_output_bytes, eval_source,
                                      factor_precision, output_config, output_dtype, plan_conversion, with_rope_stride)
-from mlaconv.conversion.report import conversion_report
+from mlaconv.conversion.report import Sections, conversion_report
 from mlaconv.errors import MlaconvError
 from mlaconv.evaluate.perplexity import evaluate_perplexity
-from mlaconv.evaluate.verdict import conversion_verdict
 from mlaconv.io import ShardedWriter, atomic_output_dir, check_free_space, check_output_target
 from mlaconv.io.heap import heap_reuse
 from mlaconv.mla.attention import convert_attention
@@ -199,35 +198,30 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copied = copy_tokenizer(folder, tmp)
 
-        source_id = None if Path(source).expanduser().exists() else source  # a hub id, not a local path
-        report = conversion_report(spec, plan.shapes, config, step.reports, out, source_id, folder, dtype,
-                                   plan.layer.residual_scale, options, copied,
-                                   target_report(options.target, step.reports, rope_rewrite, plan.calibrated))
-        report.shape_search = shape_search
-        report.calibration_data = calibration_description(folder, options, plan.calibration)
-        if streamer:
-            report.mode = "calibrated"
-            report.calibration = step.report()
+        sections = Sections(shape_search=shape_search,
+                            calibration_data=calibration_description(folder, options, plan.calibration),
+                            calibration=step.report() if streamer else None)
         if plan.calibrated and options.heal_tokens != 0:
-            report.heal = _after_conversion(lambda: _heal(tmp, folder, plan, options, progress), "healing")
+            sections.heal = _after_conversion(lambda: _heal(tmp, folder, plan, options, progress), "healing")
         if options.verify:
             from mlaconv.evaluate.verify import verify
 
-            report.verify = _after_conversion(
+            sections.verify = _after_conversion(
                 lambda: verify(folder, tmp, spec, windows=options.verify_windows, window=options.verify_window),
                 "the built-in check")
         if options.evaluated:
-            report.eval = _after_conversion(lambda: _evaluate(tmp, folder, out, options, progress), "the evaluation")
+            sections.eval = _after_conversion(lambda: _evaluate(tmp, folder, out, options, progress), "the evaluation")
         if options.eval_retrieval:
-            report.retrieval = _after_conversion(lambda: _retrieval(tmp, folder, out, options, progress),
-                                                 "the retrieval evaluation")
-        report.verdict = conversion_verdict(report.verify, report.eval)
+            sections.retrieval = _after_conversion(lambda: _retrieval(tmp, folder, out, options, progress),
+                                                   "the retrieval evaluation")
         if options.absorbed:
             from mlaconv.target.absorb import write_absorbed
 
             manifest = write_absorbed(tmp, shard_size=options.shard_size)
-            report.absorbed = Absorbed(str(out / "absorbed"), len(manifest["tensors"]),
-                                       manifest["latent_norm"]["max_relative_nonlinearity"])
+            sections.absorbed = Absorbed(str(out / "absorbed"), len(manifest["tensors"]),
+                                         manifest["latent_norm"]["max_relative_nonlinearity"])
+        report = conversion_report(plan, config, step.reports, out, source, dtype, options, copied,
+                                   target_report(options.target, step.reports, rope_rewrite, plan.calibrated), sections)
         (tmp / "mlaconv.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
         write_model_card(tmp, report)
     report.seconds = round(time.perf_counter() - started, 3)

@@ -88,6 +88,23 @@ def test_lossy_stories_in_llamacpp_matches_transformers(stories_lossy, tmp_path)
         assert engine.kv_cache_mib == pytest.approx(256 * 5 * (16 + 8) * 4 / 2**20, abs=0.01)
 
 
+def test_a_healed_model_runs_in_llamacpp_as_in_transformers(stories_lossy, tmp_path):
+    """``mlaconv heal`` keeps the stock layout: its output exports and llama.cpp computes what transformers does."""
+    from mlaconv.calibration.windows import CalibrationData
+    from mlaconv.heal import HealOptions, heal
+
+    samples = STORIES / "samples.jsonl"
+    report = heal(stories_lossy, str(STORIES), tmp_path / "healed", CalibrationData((str(samples),), None, "samples"),
+                  HealOptions(window=128, tokens=4 * 128 * 8, lr=0.01, check_every=4))
+    assert report.best_step > 0  # the weights did change
+    export_gguf(tmp_path / "healed", tmp_path / "h.gguf")
+    engine = llamacpp_logits(tmp_path / "h.gguf", STORY_WINDOWS)
+    reference = transformers_logits(tmp_path / "healed", STORY_WINDOWS)
+    assert abs(ppl(engine, STORY_WINDOWS) / ppl(reference, STORY_WINDOWS) - 1) < 1e-3
+    assert max_rel_diff(engine, reference) < 1e-4
+    assert max_rel_diff(reference, transformers_logits(stories_lossy, STORY_WINDOWS)) > 1e-3
+
+
 def test_linear_rope_scaling_is_reproduced(tmp_path):
     """llama.cpp scales deepseek2 scores by (1 + 0.1 ln 4)² under linear scaling; the folded attn_q cancels it."""
     src = make_model(tmp_path / "src", kv_heads=1, head_dim=16, rope_scaling={"rope_type": "linear", "factor": 4.0})

@@ -195,7 +195,7 @@ def _hwm() -> int:
 
 
 WRITE_AHEAD = 64 * 2**20  # mlaconv.conversion.run.WRITE_AHEAD_BYTES
-LAYER_MEMORY = 2**30  # mlaconv.conversion.run.LAYER_MEMORY
+LAYER_MEMORY = 2**30  # mlaconv.conversion.weights_only.LAYER_MEMORY
 
 
 def memory_model(shape: Shape, rank: int, rope_dim: int, attention_factor: float, calib_windows: int = 0,

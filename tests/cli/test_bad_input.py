@@ -76,11 +76,11 @@ def test_debug_shows_the_traceback(src, tmp_path):
 
 
 def test_an_unexpected_failure_is_one_line_too(src, tmp_path, monkeypatch):
-    import mlaconv.conversion.run
+    import mlaconv.conversion.weights_only
 
     def broken(*args, **kwargs):
         raise RuntimeError("first line\nsecond line")
 
-    monkeypatch.setattr(mlaconv.conversion.run, "convert_attention", broken)
+    monkeypatch.setattr(mlaconv.conversion.weights_only, "convert_attention", broken)
     line = assert_refused(cli(src, tmp_path / "out", *RANK), tmp_path / "out", match="unexpected RuntimeError")
     assert line == "error: unexpected RuntimeError: first line (rerun with --debug for the traceback)"

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import MLACONV, RANK, assert_refused, cli, hashes, leftovers, make_model, wait_for_writing
-from mlaconv.conversion import run as conversion
+from mlaconv.conversion import weights_only
 from mlaconv.io import ShardedWriter
 from mlaconv.io.writer import _WriteAhead
 
@@ -88,7 +88,7 @@ def test_a_disk_that_fills_up_on_the_writer_thread(tmp_path, monkeypatch):
         submit(self, job, nbytes)
 
     monkeypatch.setattr(_WriteAhead, "submit", failing)
-    monkeypatch.setattr(conversion, "spare_core", lambda: True)  # the writer's thread, whatever torch's threads
+    monkeypatch.setattr(weights_only, "spare_core", lambda: True)  # the writer's thread, whatever torch's threads
     before = hashes(src)
     line = assert_refused(cli(src, tmp_path / "out", *RANK), tmp_path / "out", src, before, "No space left on device")
     assert line.endswith(f"; nothing was written to {tmp_path / 'out'}") and len(jobs) >= 7
@@ -101,7 +101,7 @@ def test_layers_factored_on_threads_give_the_same_bytes(tmp_path, monkeypatch, w
     src = make_model(tmp_path / "src", heads=4, kv_heads=2, hidden=32, head_dim=16, layers=layers, dtype=torch.bfloat16)
     outputs = {}
     for count in (1, workers):
-        monkeypatch.setattr(conversion, "layer_workers", lambda plan, count=count: count)
+        monkeypatch.setattr(weights_only, "layer_workers", lambda plan, count=count: count)
         assert cli(src, tmp_path / "out", *RANK, "--force").exit_code == 0  # one path: the report names it
         outputs[count] = hashes(tmp_path / "out")
     assert outputs[workers] == outputs[1]
@@ -115,18 +115,18 @@ def test_two_layers_at_once_only_with_one_thread_operators_and_a_small_layer(mon
     def plan(hidden, heads, kv_heads, head_dim):
         return SimpleNamespace(shape=AttentionShape(hidden, heads, kv_heads, head_dim))
 
-    monkeypatch.setattr(conversion, "usable_cores", lambda: 2)
+    monkeypatch.setattr(weights_only, "usable_cores", lambda: 2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert conversion.layer_workers(plan(2048, 32, 8, 64)) == 2  # Llama-3.2-1B
-    assert conversion.layer_workers(plan(8192, 64, 8, 128)) == 1  # Llama-3-70B: 6 GB a layer
+    assert weights_only.layer_workers(plan(2048, 32, 8, 64)) == 2  # Llama-3.2-1B
+    assert weights_only.layer_workers(plan(8192, 64, 8, 128)) == 1  # Llama-3-70B: 6 GB a layer
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert conversion.layer_workers(plan(2048, 32, 8, 64)) == 1 and not conversion.spare_core()
+    assert weights_only.layer_workers(plan(2048, 32, 8, 64)) == 1 and not weights_only.spare_core()
 
 
 def test_without_a_spare_core_the_conversion_writes_as_before(tmp_path, monkeypatch):
     """Two-thread operators: no writer's thread, no layer threads (they would contend with the operators')."""
     src = make_model(tmp_path / "src", heads=4, kv_heads=2, hidden=32, head_dim=16)
-    monkeypatch.setattr(conversion, "spare_core", lambda: False)
+    monkeypatch.setattr(weights_only, "spare_core", lambda: False)
     started = []
     monkeypatch.setattr(_WriteAhead, "__init__", lambda self, limit: started.append(limit))
     assert cli(src, tmp_path / "out", *RANK).exit_code == 0 and started == []
@@ -152,7 +152,7 @@ def test_sigterm_while_the_writer_thread_writes_removes_the_temporary_folder(tmp
 def test_a_weights_only_pass_on_two_cores_runs_one_thread_operators(monkeypatch, cores, omp, fit, inside):
     """As OMP_NUM_THREADS=1 would, unless the user set a thread count, or two layers do not fit at once (a calibrated
     pass, a 7B layer), or there are more cores; torch's setting comes back after the pass, even after an error."""
-    monkeypatch.setattr(conversion, "usable_cores", lambda: cores)
+    monkeypatch.setattr(weights_only, "usable_cores", lambda: cores)
     if omp is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
@@ -160,7 +160,7 @@ def test_a_weights_only_pass_on_two_cores_runs_one_thread_operators(monkeypatch,
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with pytest.raises(RuntimeError, match="inside"), conversion.weights_only_operators(fit):
+        with pytest.raises(RuntimeError, match="inside"), weights_only.weights_only_operators(fit):
             assert torch.get_num_threads() == inside
             raise RuntimeError("inside")
         assert torch.get_num_threads() == 2
@@ -178,12 +178,12 @@ def test_a_cli_conversion_on_two_cores_factors_two_layers_at_once(tmp_path, monk
         state = load_file(src / "model.safetensors")
         state["model.layers.1.self_attn.q_proj.weight"][0, 0] = float("nan")
         save_file(state, src / "model.safetensors", metadata={"format": "pt"})
-    monkeypatch.setattr(conversion, "usable_cores", lambda: 2)
-    monkeypatch.setattr(conversion, "LAYER_MEMORY", layer_memory)
+    monkeypatch.setattr(weights_only, "usable_cores", lambda: 2)
+    monkeypatch.setattr(weights_only, "LAYER_MEMORY", layer_memory)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     calls = []
-    workers = conversion.layer_workers
-    monkeypatch.setattr(conversion, "layer_workers", lambda plan: calls.append((torch.get_num_threads(),
+    workers = weights_only.layer_workers
+    monkeypatch.setattr(weights_only, "layer_workers", lambda plan: calls.append((torch.get_num_threads(),
                                                                                   workers(plan))) or calls[-1][1])
     before = torch.get_num_threads()
     torch.set_num_threads(2)

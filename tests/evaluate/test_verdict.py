@@ -60,15 +60,15 @@ def test_an_exact_conversion_is_close_in_the_console_json_and_card(tiny_model, t
 def test_a_broken_conversion_is_called_broken(tiny_model, tmp_path, monkeypatch):
     """A deliberately broken conversion (every converted query and key scaled up 30×: the attention turns to one-hot
     on arbitrary keys, and o_proj 20× louder) must not look like a success."""
-    from mlaconv.conversion import run as conversion
-    real = conversion.convert_attention
+    from mlaconv.conversion import weights_only
+    real = weights_only.convert_attention
 
     def broken(*args, **kwargs):
         mla, report = real(*args, **kwargs)
         mla.q_proj, mla.kv_a_proj, mla.o_proj = 30 * mla.q_proj, 30 * mla.kv_a_proj, 20 * mla.o_proj
         return mla, report
 
-    monkeypatch.setattr(conversion, "convert_attention", broken)
+    monkeypatch.setattr(weights_only, "convert_attention", broken)
     src = tiny_model(kv_heads=2, head_dim=16)
     result = CliRunner().invoke(app, ["convert", "--json", str(src), str(tmp_path / "out"), "--rank", "8",
                                       "--rope-dim", "8"], env={"COLUMNS": "200"})

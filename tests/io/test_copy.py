@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import RANK, assert_refused, cli, hashes, make_model
-from mlaconv.conversion import run as conversion
+from mlaconv.conversion import weights_only
 from mlaconv.errors import MlaconvError
 from mlaconv.io import CheckpointReader, ShardedWriter
 from mlaconv.io import writer as writer_module
@@ -162,8 +162,8 @@ def test_an_error_in_the_outer_tensors_beside_the_layer_threads(tmp_path, monkey
     state = load_file(src / "model.safetensors")
     state["lm_head.weight"][1, 2] = float("nan")
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
-    monkeypatch.setattr(conversion, "spare_core", lambda: True)
-    monkeypatch.setattr(conversion, "layer_workers", lambda plan: 2)
+    monkeypatch.setattr(weights_only, "spare_core", lambda: True)
+    monkeypatch.setattr(weights_only, "layer_workers", lambda plan: 2)
     before = hashes(src)
     assert_refused(cli(src, tmp_path / "out", *RANK), tmp_path / "out", src, before,
                    "tensor lm_head.weight in model.safetensors contains NaN or Inf")

@@ -256,11 +256,11 @@ def test_gqa_partial_rotary_is_exact_when_each_rotated_frequency_is_one_key(tmp_
 
 @pytest.mark.parametrize("name", EXACT)
 def test_a_float32_factorization_is_exact_to_float32_rounding(name, sources, tmp_path, monkeypatch):
-    """The float32 factorization a 16-bit output gets (``conversion.factor_precision``), forced here on a float32
+    """The float32 factorization a 16-bit output gets (``weights_only.factor_precision``), forced here on a float32
     output so that nothing rounds it further: still exact through transformers."""
-    from mlaconv.conversion import run as conversion
+    from mlaconv.conversion import weights_only
 
-    monkeypatch.setattr(conversion, "factor_precision", lambda dtype: torch.float32)
+    monkeypatch.setattr(weights_only, "factor_precision", lambda dtype: torch.float32)
     convert(str(sources[name]), tmp_path / "out", ConvertOptions(verify=False, **EXACT[name][1]))
     for tokens in (SHORT, LONG):
         assert rel_err(logits(tmp_path / "out", tokens), logits(sources[name], tokens)) <= 1e-4

@@ -1,9 +1,9 @@
-"""Render the bench READMEs' tables from the result files.
+"""Render the tables of the bench READMEs and of the project's README from the result files.
 
-Every block of a bench README between ``<!-- table: NAME -->`` and ``<!-- /table -->`` is the rendering of
+Every block of those READMEs between ``<!-- table: NAME -->`` and ``<!-- /table -->`` is the rendering of
 ``bench/results/NAME.json`` (``bench.lib.results.render``): where and how it was measured, then the table.
 
-    python -m bench.tables            # rewrite the blocks of every bench/**/README.md
+    python -m bench.tables            # rewrite the blocks of README.md and every bench/**/README.md
     python -m bench.tables --check    # exit 1 if a block differs from its result file (nothing written)
 """
 
@@ -21,7 +21,8 @@ BLOCK = re.compile(r"(<!-- table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /ta
 
 
 def readmes() -> list[Path]:
-    return sorted((REPO / "bench").glob("README.md")) + sorted((REPO / "bench").glob("*/README.md"))
+    """The files whose table blocks are rendered: the project's README ("What to expect") and the bench READMEs."""
+    return [REPO / "README.md"] + sorted((REPO / "bench").glob("README.md")) + sorted((REPO / "bench").glob("*/README.md"))
 
 
 def rendered(text: str) -> str:

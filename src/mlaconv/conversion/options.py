@@ -81,8 +81,9 @@ class ConvertOptions:
                                    "bundled general text, for a source with a tokenizer).", cli=list[str],
                               recipe=(list,), spectra=True, factory=list)
     weights_only: bool = option(False, "Convert from the weights alone, ignoring any calibration data or a recipe's "
-                                       "(minutes instead of hours; exact at full rank, fine for shapes and speed, but "
-                                       "far from the source at a real cut of a pretrained model: see the verdict).",
+                                       "(minutes instead of hours; exact at full rank, fine for shapes, speed and "
+                                       "tests, but broken at a real cut of a pretrained model: SmolLM2-135M at half "
+                                       "its KV cache goes from perplexity 24.5 to 3,905 on WikiText-2).",
                                 bool, names=("--weights-only/--no-weights-only",), recipe=(bool,))
     calib_dataset: str | None = option(None, "Calibration from a Hugging Face dataset NAME[:CONFIG[:SPLIT]] (local "
                                              "cache when offline).", str, recipe=(str,), spectra=True)

@@ -316,3 +316,18 @@ def test_a_lossy_float32_factorization_matches_the_float64_one(family, kv_heads,
     exact = logits(tmp_path / "f64", TOKENS)
     assert rel_err(exact, logits(src, TOKENS)) > 1e-2  # lossy: the comparison below is not between two exact models
     assert rel_err(logits(tmp_path / "f32", TOKENS), exact) <= 1e-4
+
+
+def test_a_plain_conversion_calibrates_on_the_bundled_text(tiny_model, tmp_path):
+    """No --calib and no --weights-only: a source with a tokenizer is calibrated on the shipped general text (and
+    says so); without a tokenizer it is converted from its weights, and the report says why."""
+    from helpers import ROOT
+    from mlaconv.conversion.plan import GENERAL_TEXT
+
+    options = dict(kv_keep=0.5, calib_tokens=2048, calib_window=128, refine_steps=0, heal_tokens=0, verify=False)
+    report = convert(str(ROOT / "examples" / "llama-docs"), tmp_path / "out", ConvertOptions(**options))
+    assert report.mode == "calibrated" and "bundled general text" in report.calibration_data
+    assert report.calibration.windows == 16 and report.settings["calib"] == []
+    assert GENERAL_TEXT.is_file() and GENERAL_TEXT.stat().st_size > 400_000
+    bare = convert(str(tiny_model(kv_heads=2, head_dim=16)), tmp_path / "bare", ConvertOptions(**options))
+    assert bare.mode == "weights-only" and bare.calibration_data.startswith("none: the source has no tokenizer")

@@ -64,7 +64,8 @@ def conversion_data(source: Path, spec, data: CalibrationData, calib_tokens: int
     drawn = drawn_windows(windows.shape[0], calib_tokens // windows.shape[1]).tolist()
     split = split_windows(len(drawn))
     select, held = [drawn[k] for k in split.select], [drawn[k] for k in split.audit]
-    train = [k for k in range(windows.shape[0]) if k not in set(select) | set(held)]
+    chosen = set(select) | set(held)
+    train = [k for k in range(windows.shape[0]) if k not in chosen]
     return HealData(windows, train, select[:HELD_WINDOWS], held[:HELD_WINDOWS], data.description)
 
 

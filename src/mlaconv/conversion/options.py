@@ -109,6 +109,9 @@ class ConvertOptions:
                                            "to end towards the source on this many tokens of the calibration data "
                                            "(default: 4 per calibration token, on a CPU at most what fits in 30 min; "
                                            "0: off).", int, recipe=(int,))
+    heal_window: int | None = option(None, "Tokens per healing window (default 512; at most --calib-window); each step "
+                                           "trains on 2048 tokens, so fewer windows per step when they are longer.",
+                                     int, recipe=(int,))
     absorbed: bool = option(False, "Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to "
                                    "OUT/absorbed.", bool)
     recipe: str | None = None

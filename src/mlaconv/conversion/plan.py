@@ -247,6 +247,9 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
         raise MlaconvError("--heal-tokens trains on calibration data: give --calib (or drop --weights-only)")
     if options.heal_tokens is not None and options.heal_tokens < 0:
         raise MlaconvError(f"--heal-tokens must be ≥ 0, got {options.heal_tokens}")
+    if options.heal_window is not None and not 2 <= options.heal_window <= options.calib_window:
+        raise MlaconvError(f"--heal-window must be between 2 and --calib-window ({options.calib_window}), "
+                           f"got {options.heal_window}")
     if options.refine_steps is not None and options.refine_steps < 0:
         raise MlaconvError(f"--refine-steps must be ≥ 0, got {options.refine_steps}")
     if options.refine_batch < 1 or options.refine_check_every < 1:

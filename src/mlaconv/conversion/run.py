@@ -141,11 +141,13 @@ def _after_conversion(check: Callable[[], Checked], what: str) -> Checked | Fail
 def _heal(converted: Path, source: Path, plan: Plan, options: ConvertOptions, progress: Progress):
     """Heal the fresh conversion in place on its own calibration windows (``heal.run.conversion_data``)."""
     from mlaconv.heal import HealOptions
+    from mlaconv.heal.distill import DEFAULT_WINDOW, STEP_TOKENS
     from mlaconv.heal.run import conversion_data, heal_folder
 
     data = conversion_data(source, plan.spec, plan.calibration, options.calib_tokens, options.calib_window)
+    window = options.heal_window or DEFAULT_WINDOW
     heal_options = HealOptions(tokens=options.heal_tokens, max_tokens=HEAL_PER_CALIBRATION_TOKEN * options.calib_tokens,
-                               device=options.calibration_device)
+                               window=window, batch=max(1, STEP_TOKENS // window), device=options.calibration_device)
     return heal_folder(converted, converted, source, data, heal_options, plan.shapes.rank, options.delta, progress)
 
 

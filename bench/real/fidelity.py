@@ -135,7 +135,8 @@ COLUMNS = [["run", "{name}"], ["KV kept", "{kv_keep:.1%}"], ["r + R", "{rank} + 
 NOTES = ("Perplexity by `mlaconv eval perplexity` in transformers (float32) against the source, 40 windows of 1,024 "
          "tokens of each text. "
          "Calibration and healing read the bundled general text unless the command says otherwise; the defaults were "
-         "chosen on *Pride and Prejudice*, never on these texts. \"÷ forward\": the conversion's wall time over one "
+         "chosen on the development texts (*Pride and Prejudice*, the Python Language Reference: `real-dev.json`), "
+         "never on these texts. \"÷ forward\": the conversion's wall time over one "
          "source forward pass over its calibration tokens. Each row's own commit, load and command are in the file.")
 
 

@@ -30,8 +30,9 @@ from mlaconv.target import deepseek
 from mlaconv.target.targets import Target, check_head_size, rope_scaling_for, served_budget, target
 
 GENERAL_TEXT = Path(__file__).resolve().parents[1] / "data" / "general.txt"
-GENERAL_TEXT_DESCRIPTION = ("mlaconv's bundled general text (data/general.txt: 419 KB of public-domain narrative and "
-                            "dialogue, Python code and documentation under the PSF licence; data/general.md)")
+GENERAL_TEXT_DESCRIPTION = ("mlaconv's bundled general text (data/general.txt: 530 KB of public-domain narrative, "
+                            "dialogue and expository prose, Python code and documentation under the PSF licence; "
+                            "data/general.md)")
 
 DEFAULT_ROPE_DIM = 64
 

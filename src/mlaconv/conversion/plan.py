@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from mlaconv.calibration.windows import CalibrationData
-from mlaconv.conversion.options import ConvertOptions, Recipe, load_recipe
+from mlaconv.conversion.options import ConvertOptions, Recipe
 from mlaconv.conversion.pipeline import source_layers
 from mlaconv.devices import DTYPES, check_device
 from mlaconv.errors import MlaconvError
@@ -225,8 +225,8 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
     """Open and validate the source, check the recipe, and choose (r, R); cheap (headers only)."""
     target(options.target)  # an unknown target fails before the source is opened
     folder, spec, reader = load_source(source, options.revision, options.allow_sliding_window)
-    if options.recipe:
-        check_recipe(load_recipe(options.recipe), spec)
+    if options.recipe is not None:
+        check_recipe(options.recipe, spec)
     calibration = calibration_data(folder, options)
     if spec.family.qk_norm and calibration is None:
         raise MlaconvError(QK_NORM_NEEDS_CALIBRATION.format(label=spec.family.label))

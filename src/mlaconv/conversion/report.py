@@ -49,6 +49,7 @@ def conversion_report(plan: Plan, config: dict, reports: list[LayerReport], out:
     rope_kept = [r.rope_energy_kept for r in reports]
     dropped = sorted({b for r in reports for b in r.dropped_bias} - set(BIASES))  # no stack holds these; the
     # biases a target leaves out are in the report's target
+    recipe = str(options.recipe.path) if options.recipe is not None else None
     return ConversionReport(
         mlaconv_version=__version__,
         transformers_version=importlib.metadata.version("transformers"),
@@ -56,11 +57,11 @@ def conversion_report(plan: Plan, config: dict, reports: list[LayerReport], out:
         source=str(source),
         source_id=None if Path(given).expanduser().exists() else given,  # a hub id, not a local path
         source_revision=source.name if source.parent.name == "snapshots" else None,
-        settings={k: v for k, v in asdict(options).items() if k not in ("force", "recipe_applied")},
+        settings={k: v for k, v in asdict(options).items() if k != "force"} | {"recipe": recipe},
         architecture=spec.family.label,
         source_shape=SourceShape(spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                  spec.rotary_dim, [i for i, rotated in enumerate(spec.rope_layers) if not rotated]),
-        recipe=options.recipe,
+        recipe=recipe,
         mode="weights-only" if sections.calibration is None else "calibrated",
         dtype=str(dtype).replace("torch.", ""),
         kv_lora_rank=shapes.rank,

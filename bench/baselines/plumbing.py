@@ -25,6 +25,7 @@ from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
 from mlaconv.mla.layer import AttentionShape, LayerReport, MLAAttention, SourceAttention
 from mlaconv.source.spec import SourceSpec, load_source
 from mlaconv.target.layout import LayerWriter, copy_tokenizer
+from mlaconv.target.targets import target
 
 WRITTEN_DTYPES = {name: DTYPES[name] for name in ("float32", "bfloat16")}  # the dtypes a baseline writes
 
@@ -114,7 +115,7 @@ def write_baseline(method: str, source: str | Path, out: str | Path, step: Basel
             write_tensors(output, source_layers(reader, spec), step)
             writer.finish()
         reader.close()
-        config, _ = output_config(spec, shapes, stride, "transformers", attention_bias, WRITTEN_DTYPES[dtype])
+        config, _ = output_config(spec, shapes, stride, target("transformers"), attention_bias, WRITTEN_DTYPES[dtype])
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copy_tokenizer(folder, tmp)
         report = {

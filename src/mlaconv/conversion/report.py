@@ -7,10 +7,7 @@ import importlib.metadata
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from mlaconv import __version__
-from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.plan import Plan, kv_cache_figures
 from mlaconv.evaluate.verdict import conversion_verdict
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
@@ -38,12 +35,11 @@ class Sections:
     absorbed: Absorbed | None = None
 
 
-def conversion_report(plan: Plan, config: dict, reports: list[LayerReport], out: Path, given: str,
-                      dtype: torch.dtype, options: ConvertOptions, copied: list[str], target: TargetReport,
-                      sections: Sections) -> ConversionReport:
+def conversion_report(plan: Plan, config: dict, reports: list[LayerReport], out: Path, given: str, copied: list[str],
+                      target: TargetReport, sections: Sections) -> ConversionReport:
     """The report of the conversion ``plan`` of ``given`` (a path, or a hub id) written to ``out``: the figures of
     its written layers (``reports``), its ``sections`` and the verdict they give."""
-    spec, shapes, source = plan.spec, plan.shapes, plan.folder
+    spec, shapes, source, options, dtype = plan.spec, plan.shapes, plan.folder, plan.options, plan.dtype
     kv = kv_cache_figures(spec, shapes, dtype)
     energy = [r.energy_retained for r in reports]
     rope_kept = [r.rope_energy_kept for r in reports]

@@ -22,7 +22,7 @@ from mlaconv.conversion import weights_only
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.pipeline import LayerStep, SourceLayer, source_layers
 from mlaconv.conversion.plan import (Plan, calibration_description, estimate_output_bytes, eval_source,
-                                     output_config, output_dtype, plan_conversion, with_rope_stride)
+                                     output_config, plan_conversion, with_rope_stride)
 from mlaconv.conversion.report import Sections, conversion_report
 from mlaconv.errors import MlaconvError
 from mlaconv.evaluate.perplexity import evaluate_perplexity
@@ -51,20 +51,18 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
     started = time.perf_counter()
     out = Path(out)
     plan = plan_conversion(source, options)
-    folder, spec, reader = plan.folder, plan.spec, plan.reader
-    dtype = output_dtype(spec, options.dtype)
+    folder, spec, reader, dtype = plan.folder, plan.spec, plan.reader, plan.dtype
     check_output_target(out, folder, options.force)
     check_free_space(out.parent, estimate_output_bytes(spec, plan.shapes, dtype, options.absorbed))
     streamer = shape_search = None
     if plan.calibrated:
         from mlaconv.conversion import calibrated
 
-        plan, streamer, refinement, shape_search = calibrated.prepare(plan, options, progress)
+        plan, streamer, refinement, shape_search = calibrated.prepare(plan, progress)
     plan = with_rope_stride(plan, progress)
-    attention_bias = bool(spec.qkv_bias or spec.o_bias) and plan.layer.biases
     with atomic_output_dir(out, force=options.force) as tmp:
         with weights_only.weights_only_operators(streamer is None and weights_only.two_layers_fit(plan)):
-            step: LayerStep = (calibrated.CalibratedSteps(plan, options, streamer, refinement) if streamer else
+            step: LayerStep = (calibrated.CalibratedSteps(plan, streamer, refinement) if streamer else
                                weights_only.WeightsOnly(plan, dtype, weights_only.layer_workers(plan)))
             # Weights only with a spare core: freed memory reused (io.heap), and the writer's own thread writes each
             # tensor while the next ones are computed (stopped before tmp is removed). Not calibrated, whose peak is
@@ -73,23 +71,23 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             heap = heap_reuse() if threads else nullcontext()
             write_ahead = WRITE_AHEAD_BYTES if threads else 0
             with heap, ShardedWriter(tmp, options.shard_size, write_ahead=write_ahead) as writer:
-                output = LayerWriter(writer, reader, spec, plan.layer.residual_scale, dtype, attention_bias,
+                output = LayerWriter(writer, reader, spec, plan.layer.residual_scale, dtype, plan.attention_bias,
                                      tmp / ".pending")
                 write_tensors(output, source_layers(reader, spec, streamer, progress, "converting layers"), step,
                               progress)
                 writer.finish()
         reader.close()
 
-        config, rope_rewrite = output_config(spec, plan.shapes, plan.layer.rope_stride, options.target, attention_bias,
-                                             dtype)
+        config, rope_rewrite = output_config(spec, plan.shapes, plan.layer.rope_stride, plan.target,
+                                             plan.attention_bias, dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         copied = copy_tokenizer(folder, tmp)
 
         sections = Sections(shape_search=shape_search,
-                            calibration_data=calibration_description(folder, options, plan.calibration),
+                            calibration_data=calibration_description(plan),
                             calibration=step.report() if streamer else None)
         if plan.calibrated and options.heal_tokens != 0:
-            sections.heal = _after_conversion(lambda: _heal(tmp, folder, plan, options, progress), "healing")
+            sections.heal = _after_conversion(lambda: _heal(tmp, plan, progress), "healing")
         if options.verify:
             from mlaconv.evaluate.verify import verify
 
@@ -97,9 +95,9 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
                 lambda: verify(folder, tmp, spec, windows=options.verify_windows, window=options.verify_window),
                 "the built-in check")
         if options.evaluated:
-            sections.eval = _after_conversion(lambda: _evaluate(tmp, folder, out, options, progress), "the evaluation")
+            sections.eval = _after_conversion(lambda: _evaluate(tmp, out, plan, progress), "the evaluation")
         if options.eval_retrieval:
-            sections.retrieval = _after_conversion(lambda: _retrieval(tmp, folder, out, options, progress),
+            sections.retrieval = _after_conversion(lambda: _retrieval(tmp, out, plan, progress),
                                                    "the retrieval evaluation")
         if options.absorbed:
             from mlaconv.target.absorb import write_absorbed
@@ -107,8 +105,8 @@ def convert(source: str, out: str | Path, options: ConvertOptions, progress: Pro
             manifest = write_absorbed(tmp, shard_size=options.shard_size)
             sections.absorbed = Absorbed(str(out / "absorbed"), len(manifest["tensors"]),
                                          manifest["latent_norm"]["max_relative_nonlinearity"])
-        report = conversion_report(plan, config, step.reports, out, source, dtype, options, copied,
-                                   target_report(options.target, step.reports, rope_rewrite, plan.calibrated), sections)
+        report = conversion_report(plan, config, step.reports, out, source, copied,
+                                   target_report(plan.target, step.reports, rope_rewrite, plan.calibrated), sections)
         (tmp / "mlaconv.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
         write_model_card(tmp, report)
     report.seconds = round(time.perf_counter() - started, 3)
@@ -138,31 +136,35 @@ def _after_conversion(check: Callable[[], Checked], what: str) -> Checked | Fail
         return Failure(f"{what} failed unexpectedly: {type(exc).__name__}: {exc}")
 
 
-def _heal(converted: Path, source: Path, plan: Plan, options: ConvertOptions, progress: Progress):
+def _heal(converted: Path, plan: Plan, progress: Progress):
     """Heal the fresh conversion in place on its own calibration windows (``heal.run.conversion_data``)."""
     from mlaconv.heal import HealOptions
     from mlaconv.heal.run import conversion_data, heal_folder
 
-    data = conversion_data(source, plan.spec, plan.calibration, options.calib_tokens, options.calib_window)
+    options = plan.options
+    data = conversion_data(plan.folder, plan.spec, plan.calibration, options.calib_tokens, options.calib_window)
     heal_options = HealOptions(tokens=options.heal_tokens, max_tokens=HEAL_PER_CALIBRATION_TOKEN * options.calib_tokens,
                                device=options.calibration_device)
-    return heal_folder(converted, converted, source, data, heal_options, plan.shapes.rank, options.delta, progress)
+    return heal_folder(converted, converted, plan.folder, data, heal_options, plan.shapes.rank, options.delta, progress)
 
 
-def _retrieval(converted: Path, source: Path, out: Path, options: ConvertOptions, progress: Progress):
+def _retrieval(converted: Path, out: Path, plan: Plan, progress: Progress):
     """``mlaconv eval retrieval`` of the fresh conversion against its source (same code path)."""
     from mlaconv.io.text import token_counts
     from mlaconv.evaluate.retrieval import evaluate_retrieval
 
-    result = evaluate_retrieval(converted, source, lengths=token_counts(options.eval_retrieval, "--eval-retrieval"),
+    options = plan.options
+    lengths = token_counts(options.eval_retrieval, "--eval-retrieval")
+    result = evaluate_retrieval(converted, plan.folder, lengths=lengths,
                                 device=options.device if options.device != "cpu" else None, progress=progress)
     result.model = str(out)
     return result
 
 
-def _evaluate(converted: Path, source: Path, out: Path, options: ConvertOptions, progress: Progress) -> EvalReport:
+def _evaluate(converted: Path, out: Path, plan: Plan, progress: Progress) -> EvalReport:
     """``mlaconv eval perplexity`` of the fresh conversion against its source (same code path)."""
-    result = evaluate_perplexity(converted, source, source=eval_source(options), window=options.eval_window,
+    options = plan.options
+    result = evaluate_perplexity(converted, plan.folder, source=eval_source(options), window=options.eval_window,
                                  max_windows=options.eval_max_windows, batch_size=options.eval_batch_size,
                                  device=options.device if options.device != "cpu" else None, progress=progress)
     result.model = str(out)

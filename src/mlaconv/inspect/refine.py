@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from mlaconv.calibration.rotary_audit import RotaryAudit
 from mlaconv.calibration.streamer import SourceStreamer
 from mlaconv.conversion.calibrated import RefinementPlan, calibrate_layer, prepare
-from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.pipeline import SourceLayer
 from mlaconv.conversion.plan import Plan
 from mlaconv.errors import MlaconvError
@@ -43,15 +42,15 @@ class RefinementPass:
                                  self.refinement.steps, self.refinement.batch, self.layers)
 
 
-def start_refinement(plan: Plan, settings: ConvertOptions,
-                     progress: Progress = no_progress) -> tuple[Plan, RefinementPass]:
+def start_refinement(plan: Plan, progress: Progress = no_progress) -> tuple[Plan, RefinementPass]:
     """Convert's preparation: the calibration windows, the split search (--kv-keep without --rope-dim), the
     streamer and the refinement plan → the plan at convert's split, and the pass to feed each layer to."""
+    settings = plan.options
     if settings.kv_keep is None:
         raise MlaconvError("--refine converts each layer at the split convert chooses for a budget: give --kv-keep")
     if not settings.calibrated:
         raise MlaconvError("--refine measures on calibration windows: give --calib or --calib-dataset")
-    plan, streamer, refinement, shape_search = prepare(plan, settings, progress)
+    plan, streamer, refinement, shape_search = prepare(plan, progress)
     return plan, RefinementPass(streamer, refinement, settings.layer_search, shape_search)
 
 

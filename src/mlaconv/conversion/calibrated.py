@@ -20,7 +20,8 @@ from mlaconv.calibration.rotary_audit import RotaryAudit
 from mlaconv.calibration.streamer import CalibrationOptions, MLARun, SourceStreamer
 from mlaconv.calibration.windows import WindowSplit, load_calibration_tokens, split_windows
 from mlaconv.conversion.pipeline import LayerStep, SourceLayer, source_layers
-from mlaconv.conversion.plan import Plan, ShapeChoice, kv_budget, rope_strides, shape_candidates
+from mlaconv.conversion.pipelines import Pipeline, PipelineSections, register
+from mlaconv.conversion.plan import Plan, ShapeChoice, kv_budget, rope_strides, shape_candidates, with_rope_stride
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
 from mlaconv.mla.attention import assemble, convert_attention, factor_attention, latent_errors
@@ -49,16 +50,6 @@ def calibration_tokens(plan: Plan) -> torch.Tensor | None:
         return None
     return load_calibration_tokens(plan.folder, plan.spec, list(plan.calibration.files), plan.calibration.dataset,
                                    plan.options.calib_tokens, plan.options.calib_window)
-
-
-def prepare(plan: Plan, progress: Progress) -> tuple[Plan, SourceStreamer, RefinementPlan, ShapeSearch | None]:
-    """A calibrated conversion's preparation: the windows, the (r, R) split measured for --kv-keep without
-    --rope-dim, the streamer and the refinement plan → the plan at that split, and the rest."""
-    tokens, shape_search = calibration_tokens(plan), None
-    if plan.options.kv_keep is not None and plan.options.rope_dim is None:
-        plan, shape_search = search_shapes(plan, tokens, progress)
-    streamer = calibration_streamer(plan, tokens)
-    return plan, streamer, refinement_plan(plan, streamer), shape_search
 
 
 def calibration_streamer(plan: Plan, tokens: torch.Tensor | None = None,
@@ -324,6 +315,25 @@ def followed_models(layer: CalibratedLayer, followed: dict) -> dict[str, MLAAtte
     if layer.refined is not None or REFINED in followed:
         models[REFINED] = layer.refined if layer.refined is not None else layer.closed
     return models
+
+
+@register("calibrated")
+class CalibratedPipeline(Pipeline):
+    """The calibrated conversion: its preparation (the windows, the (r, R) split measured for --kv-keep without
+    --rope-dim, the streamer, the refinement plan and the rope stride), then ``CalibratedSteps`` on each layer; its
+    sections of the report are the split search and the calibration."""
+
+    def __init__(self, plan: Plan, progress: Progress = no_progress):
+        tokens, self.shape_search = calibration_tokens(plan), None
+        if plan.options.kv_keep is not None and plan.options.rope_dim is None:
+            plan, self.shape_search = search_shapes(plan, tokens, progress)
+        self.streamer = calibration_streamer(plan, tokens)
+        self.refinement = refinement_plan(plan, self.streamer)
+        super().__init__(with_rope_stride(plan, progress))
+        self.step = CalibratedSteps(self.plan, self.streamer, self.refinement)
+
+    def sections(self) -> PipelineSections:
+        return PipelineSections(self.shape_search, self.step.report())
 
 
 class CalibratedSteps(LayerStep):

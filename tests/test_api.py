@@ -1,5 +1,5 @@
 """The declared Python API: ``from mlaconv import …`` gives the library's own functions, the README's example
-runs as written, and a recipe applies outside the CLI (``ConvertOptions(recipe=…)`` or ``from_recipe``)."""
+runs as written, and a recipe applies outside the CLI (``ConvertOptions.from_recipe``)."""
 
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ def test_a_recipe_applies_through_convert_options(tiny_model, tmp_path):
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text("rank: 12\nrope_dim: 8\nverify: false\n")
     options = mlaconv.ConvertOptions.from_recipe(recipe, rank=10, rope_dim=None, force=True)
-    assert (options.rank, options.rope_dim, options.verify, options.force, options.recipe) == (10, 8, False, True,
-                                                                                             str(recipe))
+    assert (options.rank, options.rope_dim, options.verify, options.force, options.recipe.path) == (10, 8, False, True,
+                                                                                                  recipe)
     report = mlaconv.convert(str(src), tmp_path / "out", options)
     assert (report.kv_lora_rank, report.qk_rope_head_dim) == (10, 8)
     assert report.settings["recipe"] == str(recipe)
@@ -79,10 +79,12 @@ def test_a_recipe_applies_through_convert_options(tiny_model, tmp_path):
         mlaconv.ConvertOptions.from_recipe(recipe)
 
 
-def test_convert_applies_a_recipe_given_as_an_option(tiny_model, tmp_path):
+def test_a_recipe_given_with_a_rank_converts_at_that_rank(tiny_model, tmp_path):
     src = tiny_model(kv_heads=2, head_dim=16)
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text("kv_keep: 0.5\nrope_dim: 8\nverify: false\ndtype: float32\n")
-    report = mlaconv.convert(str(src), tmp_path / "out", mlaconv.ConvertOptions(recipe=str(recipe), rank=12))
+    with pytest.raises(TypeError, match="ConvertOptions.from_recipe"):
+        mlaconv.ConvertOptions(recipe=str(recipe), rank=12)  # a path alone applies nothing: refused, not ignored
+    report = mlaconv.convert(str(src), tmp_path / "out", mlaconv.ConvertOptions.from_recipe(recipe, rank=12))
     assert (report.kv_lora_rank, report.qk_rope_head_dim, report.dtype, report.verify) == (12, 8, "float32", None)
     assert report.settings["recipe"] == str(recipe) and report.settings["kv_keep"] is None  # rank given: kv_keep goes

@@ -4,8 +4,9 @@ Both write a checkpoint with exactly mlaconv's serving shapes and plumbing (``be
 (r, R) from ``plan_shapes``, full-rank ``q_proj`` with the softmax-scale fix √((d+R)/d), the shared RoPE key on a
 strided frequency grid in interleaved pairs (``rope.interleave``, ``target_rope_theta``), the tiny-latent
 ``kv_a_layernorm`` (``tiny_latent``, its smallness split with the input norm by ``scale_input``), the
-residual-stream ε rescale, the same bias folds, ``build_config``, and mlaconv's layer loop and writer. Only the
-factorization differs:
+residual-stream ε rescale, the same bias folds, ``build_config``, and mlaconv's layer loop and writer, each as a
+conversion pipeline registered under its name (``JointSVD``, ``TransMLA``; ``PartialRoPE`` is TransMLA's stage A).
+Only the factorization differs:
 
 ``joint-svd`` — MHA2MLA's initialisation made expressible in the DeepSeek layout (weights only).
     The shared RoPE key is the head-averaged key at the kept frequencies 0, s, 2s, … (s = d / R by
@@ -56,8 +57,10 @@ from typing import Callable
 
 import torch
 
-from bench.baselines.plumbing import Baseline, Factorization, plan_baseline, read_layers, write_baseline
-from mlaconv.conversion.plan import ShapeChoice
+from bench.baselines.plumbing import (Baseline, Factorization, baseline_plan, plan_baseline, read_layers,
+                                      write_baseline)
+from mlaconv.conversion.pipelines import Pipeline, register
+from mlaconv.conversion.plan import Plan, ShapeChoice
 from mlaconv.io.models import load_causal_lm
 from mlaconv.mla import rope
 from mlaconv.mla.layer import AttentionShape, SourceAttention
@@ -89,6 +92,17 @@ def joint_svd_layer(src: SourceAttention, shape: AttentionShape, rope_dim: int, 
                          up_k=up[: G * d].reshape(G, d, rank), up_v=up[G * d :].reshape(G, d, rank))
 
 
+@register("joint-svd")
+class JointSVD(Pipeline):
+    """``joint_svd_layer`` on each layer, at the plan's shapes and rope stride."""
+
+    def __init__(self, plan: Plan):
+        super().__init__(plan)
+        shapes, stride = plan.shapes, plan.layer.rope_stride
+        self.step = Baseline(plan.spec, lambda _, src: joint_svd_layer(src, plan.shape, shapes.rope_dim, shapes.rank,
+                                                                        stride))
+
+
 def convert_joint_svd(source: str | Path, out: str | Path, *, kv_keep: float | None = None, rank: int | None = None,
                       rope_dim: int | None = None, rope_stride: int | None = None, dtype: str = "float32") -> dict:
     """Write the ``joint-svd`` baseline of ``source`` to ``out``; returns its report (also in baseline.json).
@@ -99,10 +113,8 @@ def convert_joint_svd(source: str | Path, out: str | Path, *, kv_keep: float | N
     """
     started = time.perf_counter()
     spec, shapes = plan_baseline(source, rank, kv_keep, rope_dim)
-    shape = spec.attention_shape
     stride = rope_stride or default_stride(spec.head_dim, shapes.rope_dim)
-    step = Baseline(spec, lambda _, src: joint_svd_layer(src, shape, shapes.rope_dim, shapes.rank, stride))
-    return write_baseline("joint-svd", source, out, step, shapes, stride, started, dtype)
+    return write_baseline("joint-svd", baseline_plan(source, shapes, stride, dtype), out, started)
 
 
 def default_stride(head_dim: int, rope_dim: int) -> int:
@@ -234,6 +246,30 @@ def freqfold_candidates(head_dim: int, rope_dim: int) -> list[int]:
     return candidates
 
 
+@register("transmla-partial-rope")
+class PartialRoPE(Pipeline):
+    """TransMLA's stage A: each layer's keys rotated by its basis (``layers`` and ``bases`` in layer order) and the
+    identity latent, exact apart from the lost rotations (``transmla_layer`` without moments)."""
+
+    def __init__(self, plan: Plan, layers: list[SourceAttention], bases: list[torch.Tensor]):
+        super().__init__(plan)
+        R = plan.shapes.rope_dim
+        self.step = Baseline(plan.spec, lambda i, src: transmla_layer(src, plan.shape, bases[i], R, None, None), layers)
+
+
+@register("transmla")
+class TransMLA(Pipeline):
+    """TransMLA's result: each layer's keys rotated by its basis, then BKV and the joint activation PCA of its
+    ``moments`` at the plan's rank (``transmla_layer``)."""
+
+    def __init__(self, plan: Plan, layers: list[SourceAttention], bases: list[torch.Tensor],
+                 moments: list[torch.Tensor]):
+        super().__init__(plan)
+        R, r = plan.shapes.rope_dim, plan.shapes.rank
+        self.step = Baseline(plan.spec, lambda i, src: transmla_layer(src, plan.shape, bases[i], R, moments[i], r),
+                             layers)
+
+
 def convert_transmla(source: str | Path, out: str | Path, calib_ids: torch.Tensor, *, kv_keep: float | None = None,
                      rank: int | None = None, rope_dim: int | None = None, freqfold: int | None = None,
                      batch_size: int = 8, dtype: str = "float32", qk_norm: str = "dropped") -> dict:
@@ -264,18 +300,16 @@ def convert_transmla(source: str | Path, out: str | Path, calib_ids: torch.Tenso
         for ff in [freqfold] if freqfold is not None else candidates:
             bases[ff] = [rorope_basis(augmented(src.k, src.k_bias), m, shape, R, ff)
                          for src, m in zip(layers, source_moments)]
-            partial = Baseline(spec, lambda i, src: transmla_layer(src, shape, bases[ff][i], R, None, None), layers)
-            write_baseline("transmla-partial-rope", source, Path(tmp) / f"ff{ff}", partial, partial_shapes, d // R,
-                           started, "float32")
+            write_baseline("transmla-partial-rope", baseline_plan(source, partial_shapes, d // R, "float32"),
+                           Path(tmp) / f"ff{ff}", started, layers, bases[ff])
             search[ff] = calibration_perplexity(Path(tmp) / f"ff{ff}", calib_ids, batch_size)
             if len(search) > 1 and search[ff] >= min(list(search.values())[:-1]):
                 break  # TransMLA's auto: keep doubling only while the perplexity improves
         best = min(search, key=search.get)
         moments = attention_input_moments(Path(tmp) / f"ff{best}", calib_ids, batch_size)  # stage B recalibration
-    step = Baseline(spec, lambda i, src: transmla_layer(src, shape, bases[best][i], R, moments[i], shapes.rank), layers)
     calibration = {"windows": len(calib_ids), "window": calib_ids.shape[1]}
-    return write_baseline("transmla", source, out, step, shapes, d // R, started, dtype, freqfold=best,
-                          partial_rope_calib_ppl=search, calibration=calibration)
+    return write_baseline("transmla", baseline_plan(source, shapes, d // R, dtype), out, started, layers, bases[best],
+                          moments, freqfold=best, partial_rope_calib_ppl=search, calibration=calibration)
 
 
 def calibration_perplexity(folder: str | Path, ids: torch.Tensor, batch_size: int = 8) -> float:

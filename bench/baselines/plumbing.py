@@ -1,6 +1,7 @@
 """The stock DeepSeek-V3 checkpoint every baseline of ``bench.baselines.methods`` is written as: a baseline's per-layer
-``Factorization`` goes through mlaconv's plumbing (``assemble``) as a ``LayerStep`` (``Baseline``) of mlaconv's own
-layer loop and writer (``write_baseline``).
+``Factorization`` goes through mlaconv's plumbing (``assemble``) as a ``LayerStep`` (``Baseline``) of a conversion
+pipeline the method registers (``mlaconv.conversion.pipelines.register``), through mlaconv's own layer loop and writer
+(``write_baseline``).
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ from typing import Callable
 import torch
 
 from mlaconv.calibration.streamer import CalibrationOptions, SourceStreamer
+from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.pipeline import LayerStep, SourceLayer, source_layers
-from mlaconv.conversion.plan import ShapeChoice, output_config, plan_shapes, residual_scale
-from mlaconv.conversion.run import write_tensors
+from mlaconv.conversion.plan import Plan, ShapeChoice, layer_options, output_config, plan_shapes, residual_scale
+from mlaconv.conversion.run import choose, write_layers
 from mlaconv.devices import DTYPES
-from mlaconv.io import ShardedWriter, atomic_output_dir
+from mlaconv.io import atomic_output_dir
 from mlaconv.mla.attention import scale_input
 from mlaconv.mla.latent_norm import DEFAULT_DELTA, tiny_latent
 from mlaconv.mla.layer import AttentionShape, LayerReport, MLAAttention, SourceAttention
 from mlaconv.source.spec import SourceSpec, load_source
-from mlaconv.target.layout import LayerWriter, copy_tokenizer
+from mlaconv.target.layout import copy_tokenizer
+from mlaconv.target.targets import target
 
 WRITTEN_DTYPES = {name: DTYPES[name] for name in ("float32", "bfloat16")}  # the dtypes a baseline writes
 
@@ -101,26 +104,32 @@ class Baseline(LayerStep):
         return {"baseline": mla}
 
 
-def write_baseline(method: str, source: str | Path, out: str | Path, step: Baseline, shapes: ShapeChoice, stride: int,
-                   started: float, dtype: str, **extra) -> dict:
-    """Write ``out`` through mlaconv's own conversion driver and writer, as ``convert --target transformers`` lays it
-    out (biases kept, the source's rope scaling), each layer from ``step``; return the report (also baseline.json)."""
+def baseline_plan(source: str | Path, shapes: ShapeChoice, stride: int, dtype: str) -> Plan:
+    """The plan a baseline of ``source`` is written by: ``shapes`` at rope ``stride`` in ``dtype``, laid out as
+    ``convert --target transformers`` lays it out (biases kept, the source's rope scaling)."""
     folder, spec, reader = load_source(str(source))
-    attention_bias = bool(spec.qkv_bias or spec.o_bias)
+    options = ConvertOptions(rank=shapes.rank, rope_dim=shapes.rope_dim, rope_stride=stride, dtype=dtype,
+                             weights_only=True, target="transformers")
+    chosen = target(options.target)
+    return Plan(options, folder, spec, reader, chosen, shapes, layer_options(spec, shapes, options, chosen),
+                WRITTEN_DTYPES[dtype])
+
+
+def write_baseline(method: str, plan: Plan, out: str | Path, started: float, *inputs, **extra) -> dict:
+    """Write ``out`` with the baseline pipeline registered as ``method`` (made from ``plan`` and ``inputs``) through
+    mlaconv's own layer pass and writer; return the report (also baseline.json), ``extra`` added to it."""
+    pipeline = choose(plan, method)(plan, *inputs)
+    shapes, stride = plan.shapes, plan.layer.rope_stride
     with atomic_output_dir(Path(out), force=True) as tmp:
-        with ShardedWriter(tmp) as writer:
-            output = LayerWriter(writer, reader, spec, residual_scale(spec), WRITTEN_DTYPES[dtype], attention_bias,
-                                 tmp / ".pending")
-            write_tensors(output, source_layers(reader, spec), step)
-            writer.finish()
-        reader.close()
-        config, _ = output_config(spec, shapes, stride, "transformers", attention_bias, WRITTEN_DTYPES[dtype])
+        write_layers(tmp, pipeline)
+        config, _ = output_config(plan.spec, shapes, stride, plan.target, plan.attention_bias, plan.dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        copy_tokenizer(folder, tmp)
+        copy_tokenizer(plan.folder, tmp)
         report = {
-            "method": method, "source": str(folder), "kv_lora_rank": shapes.rank, "qk_rope_head_dim": shapes.rope_dim,
-            "kv_keep": shapes.cache_elements / spec.attention_shape.cache_elements, "rope_stride": stride,
-            "dropped_bias": sorted(step.dropped), **extra, "seconds": round(time.perf_counter() - started, 2),
+            "method": pipeline.name, "source": str(plan.folder), "kv_lora_rank": shapes.rank,
+            "qk_rope_head_dim": shapes.rope_dim, "kv_keep": shapes.cache_elements / plan.shape.cache_elements,
+            "rope_stride": stride, "dropped_bias": sorted(pipeline.step.dropped), **extra,
+            "seconds": round(time.perf_counter() - started, 2),
         }
         (tmp / "baseline.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

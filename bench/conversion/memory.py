@@ -194,7 +194,7 @@ def _hwm() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-WRITE_AHEAD = 64 * 2**20  # mlaconv.conversion.run.WRITE_AHEAD_BYTES
+WRITE_AHEAD = 64 * 2**20  # mlaconv.conversion.weights_only.WRITE_AHEAD_BYTES
 LAYER_MEMORY = 2**30  # mlaconv.conversion.weights_only.LAYER_MEMORY
 
 

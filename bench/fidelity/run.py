@@ -71,15 +71,12 @@ def run_method(method: str, source: Path, out: Path, kv_keep: float, refine_step
         report = convert_transmla(source, out, calibration_ids(source), kv_keep=kv_keep,
                                   qk_norm="stand-in" if method == "transmla-si" else "dropped")
         return {"r": report["kv_lora_rank"], "R": report["qk_rope_head_dim"], "freqfold": report.get("freqfold")}
-    options = ConvertOptions(kv_keep=kv_keep, verify=False, dtype="float32")
+    calibration = {}
     if method == "mlaconv-c":
-        options.calib = [str(calibration_file(source))]
-        options.calib_tokens = CALIB_WINDOWS * WINDOW
-        options.calib_window = WINDOW
-        options.refine_steps = refine_steps
-        options.refine_batch = refine_batch
-        options.refine_check_every = refine_check_every
-    report = convert(str(source), out, options)
+        calibration = dict(calib=[str(calibration_file(source))], calib_tokens=CALIB_WINDOWS * WINDOW,
+                           calib_window=WINDOW, refine_steps=refine_steps, refine_batch=refine_batch,
+                           refine_check_every=refine_check_every)
+    report = convert(str(source), out, ConvertOptions(kv_keep=kv_keep, verify=False, dtype="float32", **calibration))
     calibration = report.calibration
     return {"r": report.kv_lora_rank, "R": report.qk_rope_head_dim, "variants": report.layer_variant,
             "refinement": calibration.refinement if calibration else None,

@@ -38,8 +38,8 @@ def main() -> None:
     model, keep, layer_i, settings = args.model, args.kv_keep, args.layer, args.settings
     opts = ConvertOptions(kv_keep=keep, calib=[str(MODELS / model / "calib.txt")], calib_tokens=16384, calib_window=256)
     plan = with_rope_stride(plan_conversion(str(MODELS / model), opts))
-    tokens = calibrated.calibration_tokens(plan, opts)
-    streamer = calibrated.calibration_streamer(plan, opts, tokens)
+    tokens = calibrated.calibration_tokens(plan)
+    streamer = calibrated.calibration_streamer(plan, tokens)
     train_windows = args.train_windows if args.train_windows else calibrated.training_windows(
         len(streamer.split.fit), tokens.shape[1], opts.refine_tokens)
     layer = next(layer for layer in source_layers(plan.reader, plan.spec, streamer) if layer.index == layer_i)

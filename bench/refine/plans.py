@@ -22,25 +22,26 @@ from bench.lib.results import write_result
 from mlaconv.calibration.windows import split_windows
 from mlaconv.conversion import calibrated
 from mlaconv.conversion.options import load_recipe
-from mlaconv.conversion.plan import Plan, check_recipe
+from mlaconv.conversion.plan import ShapeChoice, check_recipe
 from mlaconv.mla.refine import refinement_flops
 from mlaconv.source.spec import SourceSpec
 
 BEFORE = dict(steps=75, batch=4, check_every=10)  # the default plan before the error was taken at a share of positions
 
 
-def before_seconds(plan: Plan, window: int, selected: int, steps: int, batch: int, check_every: int) -> float:
+def before_seconds(spec: SourceSpec, shapes: ShapeChoice, window: int, selected: int, steps: int, batch: int,
+                   check_every: int) -> float:
     """The estimate as it was: every step's error at every position."""
     def flops(windows: int) -> float:
-        return refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, windows, window)
+        return refinement_flops(spec.attention_shape, shapes.rope_dim, shapes.rank, windows, window)
 
     checks = 1 + -(-steps // check_every)
-    return plan.spec.num_layers * (steps * flops(batch) + checks * flops(selected) / 3) / calibrated.CPU_FLOPS
+    return spec.num_layers * (steps * flops(batch) + checks * flops(selected) / 3) / calibrated.CPU_FLOPS
 
 
-def before_plan(plan: Plan, window: int, selected: int) -> calibrated.CPURefinement:
+def before_plan(spec: SourceSpec, shapes: ShapeChoice, window: int, selected: int) -> calibrated.CPURefinement:
     """``calibrated.affordable``'s rule on the estimate as it was."""
-    return calibrated.affordable(partial(before_seconds, plan, window, selected), **BEFORE)
+    return calibrated.affordable(partial(before_seconds, spec, shapes, window, selected), **BEFORE)
 
 
 def describe(cpu: calibrated.CPURefinement) -> str:
@@ -59,8 +60,9 @@ def recipe_plans() -> dict[str, tuple[calibrated.CPURefinement, calibrated.CPURe
         spec = SourceSpec.from_config(json.loads((ROOT / "tests" / "data" / "configs" / f"{path.stem}.json").read_text()))
         window = recipe.options["calib_window"]
         selected = len(split_windows(recipe.options["calib_tokens"] // window).select)
-        plan = Plan(folder=path, spec=spec, reader=None, shapes=check_recipe(recipe, spec), layer=None)
-        plans[path.stem] = (calibrated.cpu_refinement(plan, window, selected), before_plan(plan, window, selected))
+        shapes = check_recipe(recipe, spec)
+        plans[path.stem] = (calibrated.cpu_refinement(spec, shapes, window, selected),
+                            before_plan(spec, shapes, window, selected))
     return plans
 
 

@@ -290,13 +290,16 @@ def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_s
     options = ConvertOptions(rank=24, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=96, device="cpu",
                              heal_tokens=0)
     plan = plan_conversion(str(stories), options)
-    streamer = conversion.calibration_streamer(plan, options)
+    streamer = conversion.calibration_streamer(plan)
     full_flops = conversion.DEFAULT_REFINE_STEPS * plan.spec.num_layers * conversion.refinement_flops(
         plan.shape, plan.shapes.rope_dim, plan.shapes.rank, conversion.REFINE_BATCH, 96, 96 // 8)
 
     def planned(cpu_seconds_for_the_full_refinement: float):
         monkeypatch.setattr(conversion, "CPU_FLOPS", full_flops / cpu_seconds_for_the_full_refinement)
-        return conversion.refinement_plan(plan, options, streamer)
+        return conversion.refinement_plan(plan, streamer)
+
+    def planned_with(**changes):
+        return conversion.refinement_plan(replace(plan, options=replace(options, **changes)), streamer)
 
     full = planned(600)
     assert (full.steps, full.batch, full.note, full.lr, full.queries) == (150, 8, "default", 3e-2, 12)
@@ -304,16 +307,16 @@ def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_s
     assert reduced.batch == 1 and 25 <= reduced.steps < 1200 and reduced.note.startswith("reduced:")
     assert reduced.queries == 12  # an eighth of each 96-token window's positions, as in the full plan
     assert reduced.lr == 3e-3  # the rate the reduced plan's figures were measured at
-    healing = conversion.refinement_plan(plan, replace(options, heal_tokens=None), streamer)
+    healing = planned_with(heal_tokens=None)
     assert healing.steps == 0 and healing.note.startswith("off: the full 150 steps") and "healing" in healing.note
-    assert conversion.refinement_plan(plan, replace(options, heal_tokens=None, device="cuda:0"), streamer).steps == 150
+    assert planned_with(heal_tokens=None, device="cuda:0").steps == 150
     skipped = planned(1000 * 3600)
     assert skipped.steps == 0 and skipped.note.startswith("skipped: even 25 steps")
-    assert conversion.refinement_plan(plan, replace(options, refine_steps=7), streamer).steps == 7
-    assert conversion.refinement_plan(plan, replace(options, device="cuda:0"), streamer).steps == 150
+    assert planned_with(refine_steps=7).steps == 7
+    assert planned_with(device="cuda:0").steps == 150
     fit = len(streamer.split.fit)
     assert (full.train_windows, reduced.train_windows) == (fit, fit)  # every fit window: 96-token windows are short
-    capped = conversion.refinement_plan(plan, replace(options, device="cuda:0", refine_tokens=2 * 96 + 95), streamer)
+    capped = planned_with(device="cuda:0", refine_tokens=2 * 96 + 95)
     assert (capped.train_windows, capped.batch) == (2, 2)  # whole windows within the token budget
 
 

@@ -3,7 +3,7 @@ settings are derived from it."""
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import FrozenInstanceError, fields, replace
 
 import pytest
 import typer
@@ -17,7 +17,7 @@ from mlaconv.inspect.spectra import SpectraOptions
 
 # Options only the Python API sets (tests, the bench, the library's own callers).
 PYTHON_ONLY = {"delta", "layer_search", "refine_tokens", "refine_batch", "refine_check_every", "recipe",
-               "recipe_applied", "eval_batch_size"}
+               "eval_batch_size"}
 
 
 def command(*path: str):
@@ -84,23 +84,36 @@ def test_a_flag_given_on_the_command_line_overrides_the_recipe_and_an_absent_one
     assert result.exit_code != 0
     options = seen["options"]
     assert (options.kv_keep, options.calib_window, options.verify, options.shard_size) == (0.5, 512, False, 2 * 10**6)
-    assert options.calib_tokens == ConvertOptions().calib_tokens and options.recipe == str(recipe)
+    assert options.calib_tokens == ConvertOptions().calib_tokens and options.recipe == load_recipe(recipe)
 
 
-def test_a_recipe_option_fills_the_fields_left_at_their_defaults(tmp_path):
+def test_from_recipe_reads_the_recipe_once_and_every_given_override_wins(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({"kv_keep": 0.5, "calib_tokens": 4096, "calib_dataset": "wikitext",
-                                      "verify": False}))
-    options = ConvertOptions(recipe=str(recipe), calib_tokens=8192, calib=["mine.txt"])
-    assert (options.kv_keep, options.calib_tokens, options.verify) == (0.5, 8192, False)
+    recipe.write_text(yaml.safe_dump({"source": "org/model", "kv_keep": 0.5, "calib_tokens": 4096,
+                                      "calib_dataset": "wikitext", "verify": False}))
+    options = ConvertOptions.from_recipe(recipe, calib_tokens=8192, calib=["mine.txt"], rope_dim=None)
+    assert (options.kv_keep, options.calib_tokens, options.verify, options.rope_dim) == (0.5, 8192, False, None)
     assert (options.calib, options.calib_dataset) == (["mine.txt"], None)  # calib given: the recipe's dataset goes
-    # a value equal to the default cannot be told from an absent one; from_recipe's overrides win even then
-    assert ConvertOptions(recipe=str(recipe), verify=True).verify is False
-    assert ConvertOptions.from_recipe(recipe, verify=True).verify is True
-    assert ConvertOptions.from_recipe(recipe) == ConvertOptions(recipe=str(recipe))
-    # a copy keeps what it is given: the recipe is not applied again over it
-    assert replace(ConvertOptions(recipe=str(recipe)), verify=True).verify is True
-    assert replace(ConvertOptions.from_recipe(recipe, calib_tokens=2048), kv_keep=None, rank=8).kv_keep is None
+    assert ConvertOptions.from_recipe(recipe, verify=True).verify is True  # an override equal to the default wins
+    assert ConvertOptions.from_recipe(recipe).verify is False
+    assert (options.recipe.path, options.recipe.source) == (recipe, "org/model")  # the recipe as read, kept
+    recipe.write_text(yaml.safe_dump({"rank": 8}))  # the options hold what was read, not the file
+    assert options.recipe.options["kv_keep"] == 0.5 and options.kv_keep == 0.5
+    # frozen: a copy with changes is made by ``replace`` and keeps what it is given
+    with pytest.raises(FrozenInstanceError):
+        options.verify = True
+    assert replace(options, verify=True).verify is True and options.verify is False
+    assert replace(options, kv_keep=None, rank=8).kv_keep is None
+
+
+def test_a_recipe_path_given_as_the_recipe_option_is_refused(tmp_path):
+    """A path is not applied silently (``ConvertOptions(recipe=path)`` once filled the fields left at their
+    defaults); the error names ``from_recipe``."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"kv_keep": 0.5}))
+    for given in (str(recipe), recipe):
+        with pytest.raises(TypeError, match=r"ConvertOptions\.from_recipe\(path, \*\*overrides\)"):
+            ConvertOptions(recipe=given, rank=12)
 
 
 def test_the_command_line_applies_a_recipe_through_from_recipe(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from mlaconv.conversion.plan import (ShapeChoice, estimate_output_bytes, factor_
 from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.source.spec import SourceSpec, load_source
+from mlaconv.target.targets import TARGETS
 
 # H = 64, N = 4, n_kv = 2, d = 16, L = 2: the source caches 2·n_kv·d = 64 values per token and layer
 SMALL = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -110,10 +111,10 @@ def test_kv_cache_figures_by_hand():
 
 def test_output_config_moves_the_kept_frequencies_onto_the_rope_slots():
     # R = 8 of d = 16 at stride 1: the slots keep source pairs 0..3, whose base is θ^(8/16) = 100
-    config, rewrite = output_config(spec(), ShapeChoice(24, 8, ""), 1, "transformers", False, torch.bfloat16)
+    config, rewrite = output_config(spec(), ShapeChoice(24, 8, ""), 1, TARGETS["transformers"], False, torch.bfloat16)
     assert config["rope_theta"] == pytest.approx(100.0) and rewrite is None
     assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["torch_dtype"]) == (24, 8, "bfloat16")
-    assert output_config(spec(), ShapeChoice(24, 8, ""), 2, "transformers", False, torch.bfloat16)[0][
+    assert output_config(spec(), ShapeChoice(24, 8, ""), 2, TARGETS["transformers"], False, torch.bfloat16)[0][
         "rope_theta"] == pytest.approx(10000.0)  # pairs 0, 2, 4, 6: θ^(2·8/16)
 
 

@@ -221,13 +221,12 @@ def test_recipe_states_the_cpu_refinement_mlaconv_plans(path):
 
     from mlaconv.calibration.windows import split_windows
     from mlaconv.conversion.calibrated import cpu_refinement
-    from mlaconv.conversion.plan import Plan
 
     recipe = load_recipe(path)
     spec = spec_for(path.stem)
     window = recipe.options["calib_window"]
-    plan = Plan(folder=path, spec=spec, reader=None, shapes=check_recipe(recipe, spec), layer=None)
-    cpu = cpu_refinement(plan, window, len(split_windows(recipe.options["calib_tokens"] // window).select))
+    selected = len(split_windows(recipe.options["calib_tokens"] // window).select)
+    cpu = cpu_refinement(spec, check_recipe(recipe, spec), window, selected)
     note = " ".join(line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.startswith("#"))
     assert f"estimates the full refinement at ~{cpu.full_seconds / 3600:.1f} h for this model" in note
     if cpu.reduced_steps:

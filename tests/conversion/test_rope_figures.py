@@ -191,9 +191,9 @@ def calibrated_layers(tmp_path_factory):
     options = ConvertOptions(rank=12, rope_dim=8, calib=[str(tmp / "calib.jsonl")], calib_window=24, refine_steps=20,
                              device="cpu")
     plan = plan_conversion(str(src), options)
-    tokens = calibration_tokens(plan, options)
-    streamer = calibration_streamer(plan, options, tokens)
-    refinement = refinement_plan(plan, options, streamer)
+    tokens = calibration_tokens(plan)
+    streamer = calibration_streamer(plan, tokens)
+    refinement = refinement_plan(plan, streamer)
     plan = with_rope_stride(plan)
     layers = [calibrate_layer(source, plan, True, refinement) for source in source_layers(plan.reader, plan.spec, streamer)]
     plan.reader.close()

@@ -35,14 +35,14 @@ def convert(
     with handle_errors(debug, json_out):
         from mlaconv.conversion.run import convert as run_convert
         from mlaconv.errors import MlaconvError
-        from mlaconv.conversion.options import ConvertOptions, given_options, load_recipe
+        from mlaconv.conversion.options import ConvertOptions, given_options
 
         settings = given_options(flags)
         options = ConvertOptions.from_recipe(recipe, **settings) if recipe is not None else ConvertOptions(**settings)
-        if recipe is not None:
+        if options.recipe is not None:
             if out is None and src is not None:  # one positional argument with a recipe: it is OUT
                 src, out = None, Path(src)
-            src = src or load_recipe(recipe).source
+            src = src or options.recipe.source
         if src is None or out is None:
             raise MlaconvError("give SRC and OUT (SRC may come from --recipe)")
         with progress(quiet) as track:

@@ -19,9 +19,9 @@ import torch
 from mlaconv.calibration.rotary_audit import RotaryAudit
 from mlaconv.calibration.streamer import CalibrationOptions, MLARun, SourceStreamer
 from mlaconv.calibration.windows import WindowSplit, load_calibration_tokens, split_windows
-from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.pipeline import LayerStep, SourceLayer, source_layers
-from mlaconv.conversion.plan import Plan, ShapeChoice, kv_budget, rope_strides, shape_candidates
+from mlaconv.conversion.pipelines import Pipeline, PipelineSections, register
+from mlaconv.conversion.plan import Plan, ShapeChoice, kv_budget, rope_strides, shape_candidates, with_rope_stride
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
 from mlaconv.mla.attention import assemble, convert_attention, factor_attention, latent_errors
@@ -31,7 +31,7 @@ from mlaconv.progress import Progress, no_progress
 from mlaconv.report.conversion import (Agreement, Calibration, LayerFigures, LayerSelection, RefinementOutcome,
                                        ShapeSearch, SplitCandidate, WholeModel)
 from mlaconv.report.record import WindowSets
-from mlaconv.target.targets import target
+from mlaconv.source.spec import SourceSpec
 
 DEFAULT_REFINE_STEPS = 150  # of REFINE_BATCH windows at REFINE_LR (75 of 4, then 200 at 3e-3 before: docs/bench-history.md)
 MIN_REDUCED_STEPS = 25  # below this a reduced refinement is not worth running (see bench/refine/README.md)
@@ -44,32 +44,22 @@ SEARCH_FIT_WINDOWS = 8  # fit windows the --kv-keep split search factors on (it 
 CLOSED, REFINED = "closed form", "refined"  # the two whole models the audit compares
 
 
-def calibration_tokens(plan: Plan, options: ConvertOptions) -> torch.Tensor | None:
+def calibration_tokens(plan: Plan) -> torch.Tensor | None:
     """The [B, S] calibration windows, when calibration was asked for."""
     if plan.calibration is None:
         return None
     return load_calibration_tokens(plan.folder, plan.spec, list(plan.calibration.files), plan.calibration.dataset,
-                                   options.calib_tokens, options.calib_window)
+                                   plan.options.calib_tokens, plan.options.calib_window)
 
 
-def prepare(plan: Plan, options: ConvertOptions, progress: Progress) -> tuple[Plan, SourceStreamer, RefinementPlan,
-                                                                          ShapeSearch | None]:
-    """A calibrated conversion's preparation: the windows, the (r, R) split measured for --kv-keep without
-    --rope-dim, the streamer and the refinement plan → the plan at that split, and the rest."""
-    tokens, shape_search = calibration_tokens(plan, options), None
-    if options.kv_keep is not None and options.rope_dim is None:
-        plan, shape_search = search_shapes(plan, options, tokens, progress)
-    streamer = calibration_streamer(plan, options, tokens)
-    return plan, streamer, refinement_plan(plan, options, streamer), shape_search
-
-
-def calibration_streamer(plan: Plan, options: ConvertOptions, tokens: torch.Tensor | None = None,
+def calibration_streamer(plan: Plan, tokens: torch.Tensor | None = None,
                          split: WindowSplit | None = None) -> SourceStreamer | None:
     """The layer-by-layer source forward over the calibration windows (loaded unless given), when calibration
     was asked for; ``split`` defaults to ``split_windows`` of all of them."""
-    tokens = tokens if tokens is not None else calibration_tokens(plan, options)
+    tokens = tokens if tokens is not None else calibration_tokens(plan)
     if tokens is None:
         return None
+    options = plan.options
     return SourceStreamer(plan.reader, plan.spec, CalibrationOptions(tokens, options.calibration_device,
                                                                      options.calib_batch_size, split=split))
 
@@ -103,8 +93,7 @@ def layer_run(spec, layer: LayerOptions, length: int) -> MLARun:
     return MLARun(layer.rank, layer.rope_dim, slots, layer.residual_scale)
 
 
-def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
-                  progress: Progress = no_progress) -> tuple[Plan, ShapeSearch]:
+def search_shapes(plan: Plan, tokens: torch.Tensor, progress: Progress = no_progress) -> tuple[Plan, ShapeSearch]:
     """Choose the (r, R) split of a --kv-keep budget by the attention error it measures on the select windows.
 
     One streamed pass over a few fit windows (which the factorizations use) and the select windows (which
@@ -112,8 +101,8 @@ def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
     attention-output errors; the split with the least total wins. Returns the plan with those shapes and
     the table behind the choice.
     """
-    chosen_target = target(options.target)
-    candidates = [c for c in shape_candidates(plan.spec, options.kv_keep, chosen_target)
+    options = plan.options
+    candidates = [c for c in shape_candidates(plan.spec, options.kv_keep, plan.target)
                   if options.rope_stride is None or options.rope_stride in rope.strides(plan.spec.rotary_dim, c.rope_dim)]
     if not candidates:
         raise MlaconvError(f"--rope-stride {options.rope_stride} fits none of the rope dims this budget allows")
@@ -126,7 +115,7 @@ def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
               for c in candidates}
     split = split_windows(tokens.shape[0])
     fit, select = list(split.fit[:SEARCH_FIT_WINDOWS]), list(split.select)
-    streamer = calibration_streamer(plan, options, tokens[fit + select], WindowSplit(
+    streamer = calibration_streamer(plan, tokens[fit + select], WindowSplit(
         fit=tuple(range(len(fit))), select=tuple(range(len(fit), len(fit) + len(select))), audit=()))
     errors = {c: 0.0 for c in candidates}
     for source in source_layers(plan.reader, spec, streamer, progress, "choosing r and R"):
@@ -137,7 +126,7 @@ def search_shapes(plan: Plan, options: ConvertOptions, tokens: torch.Tensor,
                                                   run.slot_frequencies, run.residual_scale, windows="select")
     best = min(candidates, key=lambda c: errors[c])
     table = [SplitCandidate(c.rank, c.rope_dim, errors[c] / spec.num_layers) for c in candidates]
-    whole, budget = kv_budget(spec, options.kv_keep, None, chosen_target)
+    whole, budget = kv_budget(spec, options.kv_keep, None, plan.target)
     held = f" (held to {budget}: the largest r + R vLLM runs)" if budget != whole else ""
     reason = (f"{best.rank} + {best.rope_dim} of a budget of {whole} elements{held}: the least mean attention error "
               f"({errors[best] / spec.num_layers:.4f}) of "
@@ -168,7 +157,7 @@ def step_queries(window: int) -> int:
     return max(1, window // QUERY_SHARE)
 
 
-def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreamer | None) -> RefinementPlan:
+def refinement_plan(plan: Plan, streamer: SourceStreamer | None) -> RefinementPlan:
     """How much refinement to run per layer, and why.
 
     The default is 150 steps of 8 fit windows at a relative learning rate of 3e-2, each step's error taken at an
@@ -177,6 +166,7 @@ def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreame
     with --heal-tokens 0 it is reduced to steps of one window (an eighth of its positions) at 3e-3, measured once
     at the end, as many as fit in 30 minutes (at least 25), else skipped; the note says which.
     """
+    options = plan.options
     if streamer is None:
         return RefinementPlan(0, REFINE_BATCH, "no calibration data")
     if options.refine_steps == 0:
@@ -187,7 +177,7 @@ def refinement_plan(plan: Plan, options: ConvertOptions, streamer: SourceStreame
     if options.refine_steps is not None:
         return RefinementPlan(options.refine_steps, min(options.refine_batch, train_windows), "set by --refine-steps",
                               check_every=options.refine_check_every, queries=queries, train_windows=train_windows)
-    cpu = cpu_refinement(plan, window, len(streamer.split.select))
+    cpu = cpu_refinement(plan.spec, plan.shapes, window, len(streamer.split.select))
     if options.calibration_device.startswith("cuda") or cpu.reduced_steps is None:
         return RefinementPlan(DEFAULT_REFINE_STEPS, min(REFINE_BATCH, train_windows), "default", queries=queries,
                               train_windows=train_windows)
@@ -219,9 +209,9 @@ class CPURefinement:
     least_seconds: float  # MIN_REDUCED_STEPS steps of one window
 
 
-def cpu_refinement(plan: Plan, window: int, selected: int) -> CPURefinement:
-    """What a CPU can afford of the default plan for this model and calibration (``affordable``)."""
-    return affordable(partial(refinement_seconds, plan, window, selected), DEFAULT_REFINE_STEPS, REFINE_BATCH,
+def cpu_refinement(spec: SourceSpec, shapes: ShapeChoice, window: int, selected: int) -> CPURefinement:
+    """What a CPU can afford of the default plan for this model, shapes and calibration (``affordable``)."""
+    return affordable(partial(refinement_seconds, spec, shapes, window, selected), DEFAULT_REFINE_STEPS, REFINE_BATCH,
                       CHECK_EVERY)
 
 
@@ -237,17 +227,18 @@ def affordable(seconds: Callable[[int, int, int], float], steps: int, batch: int
     return CPURefinement(full, fits[-1] if fits else 0, least)
 
 
-def refinement_seconds(plan: Plan, window: int, selected: int, steps: int, batch: int, check_every: int) -> float:
+def refinement_seconds(spec: SourceSpec, shapes: ShapeChoice, window: int, selected: int, steps: int, batch: int,
+                       check_every: int) -> float:
     """Estimated CPU time of a whole refinement at ``CPU_FLOPS``: the steps (their error at ``step_queries``
     positions of each window), and the measurements on ``selected`` select windows (forward only at every
     position, ⅓ of such a step's work) every ``check_every`` steps and after the last (the closed form's is the
     variant choice's own)."""
     def flops(windows: int, queries: int | None) -> float:
-        return refinement_flops(plan.shape, plan.shapes.rope_dim, plan.shapes.rank, windows, window, queries)
+        return refinement_flops(spec.attention_shape, shapes.rope_dim, shapes.rank, windows, window, queries)
 
     checks = -(-steps // check_every)
     work = steps * flops(batch, step_queries(window)) + checks * flops(selected, None) / 3
-    return plan.spec.num_layers * work / CPU_FLOPS
+    return spec.num_layers * work / CPU_FLOPS
 
 
 @dataclass
@@ -326,19 +317,38 @@ def followed_models(layer: CalibratedLayer, followed: dict) -> dict[str, MLAAtte
     return models
 
 
+@register("calibrated")
+class CalibratedPipeline(Pipeline):
+    """The calibrated conversion: its preparation (the windows, the (r, R) split measured for --kv-keep without
+    --rope-dim, the streamer, the refinement plan and the rope stride), then ``CalibratedSteps`` on each layer; its
+    sections of the report are the split search and the calibration."""
+
+    def __init__(self, plan: Plan, progress: Progress = no_progress):
+        tokens, self.shape_search = calibration_tokens(plan), None
+        if plan.options.kv_keep is not None and plan.options.rope_dim is None:
+            plan, self.shape_search = search_shapes(plan, tokens, progress)
+        self.streamer = calibration_streamer(plan, tokens)
+        self.refinement = refinement_plan(plan, self.streamer)
+        super().__init__(with_rope_stride(plan, progress))
+        self.step = CalibratedSteps(self.plan, self.streamer, self.refinement)
+
+    def sections(self) -> PipelineSections:
+        return PipelineSections(self.shape_search, self.step.report())
+
+
 class CalibratedSteps(LayerStep):
     """The calibrated conversion as a layer step: ``calibrate_layer`` on each layer, both whole models followed on the
     audit windows, and at the end the one with the lower KL written (``written_model``)."""
 
-    def __init__(self, plan: Plan, options: ConvertOptions, streamer: SourceStreamer, refinement: RefinementPlan):
-        self.plan, self.options, self.streamer, self.refinement = plan, options, streamer, refinement
+    def __init__(self, plan: Plan, streamer: SourceStreamer, refinement: RefinementPlan):
+        self.plan, self.streamer, self.refinement = plan, streamer, refinement
         self.run = layer_run(plan.spec, plan.layer, streamer.options.tokens.shape[1])
         self.records: list[LayerRecord] = []
         self.agreement: dict = {}
         self.written, self.reason = CLOSED, ""
 
     def __call__(self, source: SourceLayer) -> dict[str, MLAAttention]:
-        layer = calibrate_layer(source, self.plan, self.options.layer_search, self.refinement)
+        layer = calibrate_layer(source, self.plan, self.plan.options.layer_search, self.refinement)
         source.follow, source.run = followed_models(layer, self.streamer.followed), self.run
         self.records.append(layer.record)
         return {CLOSED: layer.closed} if layer.refined is None else {CLOSED: layer.closed, REFINED: layer.refined}

@@ -9,13 +9,13 @@ A recipe (``recipes/*.yaml``) is a flat YAML file of those keys, plus ``source``
 informational default) and ``kv_cache`` (the KV cache per token before and after, informational, and checked
 against the computed values by ``plan.check_recipe`` so that a recipe cannot lie). ``load_recipe`` reads and
 type-checks one; ``merge_options`` overlays the command-line values (explicit values win);
-``ConvertOptions(recipe=path)`` and ``ConvertOptions.from_recipe`` apply a recipe.
+``ConvertOptions.from_recipe`` applies a recipe, read once: the options keep the loaded ``Recipe``.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -56,8 +56,10 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConvertOptions:
+    """Every setting of a conversion, fixed once made (a recipe is applied by ``from_recipe``)."""
+
     rank: int | None = option(None, "Latent rank r (kv_lora_rank).", int, names=("--rank", "-r"), recipe=(int,))
     kv_keep: float | None = option(None, "Fraction of the source KV cache to keep, in (0, 1]; picks r and R.", float,
                                    recipe=(float, int), spectra=True)
@@ -114,7 +116,7 @@ class ConvertOptions:
                                      int, recipe=(int,))
     absorbed: bool = option(False, "Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to "
                                    "OUT/absorbed.", bool)
-    recipe: str | None = None
+    recipe: Recipe | None = None  # the recipe applied (``from_recipe``), which the plan checks against the source
     eval_text: str | None = option(None, "After converting, run `mlaconv eval perplexity` on this text file against "
                                          "the source.", str)
     eval_dataset: str | None = option(None, "… or on this dataset (wikitext = WikiText-2 raw test).", str)
@@ -129,22 +131,18 @@ class ConvertOptions:
                                          "with --kv-keep an r + R vLLM runs where the budget holds one), transformers "
                                          "(biases and the source's rope_scaling kept), vllm (as portable, refusing "
                                          "shapes vLLM does not run), sglang, llamacpp.", str, recipe=(str,))
-    recipe_applied: bool = field(default=False, repr=False)  # a field, so that ``dataclasses.replace`` keeps it
 
     def __post_init__(self) -> None:
-        """With ``recipe``, the recipe's values for the fields left at their defaults (the others were given), once:
-        a copy made by ``dataclasses.replace`` keeps what it was given."""
-        if self.recipe is not None and not self.recipe_applied:
-            given = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != _default(f)}
-            for name, value in merge_options(load_recipe(self.recipe).options, given).items():
-                setattr(self, name, value)
-            self.recipe_applied = True
+        if self.recipe is not None and not isinstance(self.recipe, Recipe):
+            raise TypeError(f"ConvertOptions(recipe={self.recipe!r}): apply a recipe file with "
+                            "ConvertOptions.from_recipe(path, **overrides)")
 
     @classmethod
     def from_recipe(cls, path: str | Path, **overrides) -> "ConvertOptions":
-        """The options a ``recipes/*.yaml`` file sets, with ``overrides`` (not None) winning, as on the command line:
-        unlike ``ConvertOptions(recipe=path, ...)``, also an override equal to the field's default."""
-        return cls(**merge_options(load_recipe(path).options, overrides), recipe=str(path), recipe_applied=True)
+        """The options a ``recipes/*.yaml`` file sets, with ``overrides`` (not None) winning, as on the command line
+        (also an override equal to the field's default)."""
+        recipe = load_recipe(path)
+        return cls(**merge_options(recipe.options, overrides), recipe=recipe)
 
     @property
     def evaluated(self) -> bool:
@@ -163,10 +161,6 @@ class ConvertOptions:
     @property
     def calibration_given(self) -> bool:
         return bool(self.calib or self.calib_dataset)
-
-
-def _default(declared: Field) -> Any:
-    return declared.default_factory() if declared.default_factory is not MISSING else declared.default
 
 
 def flags(cls: type = ConvertOptions) -> dict[str, Flag]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from mlaconv.calibration.windows import CalibrationData
-from mlaconv.conversion.options import ConvertOptions, Recipe, load_recipe
+from mlaconv.conversion.options import ConvertOptions, Recipe
 from mlaconv.conversion.pipeline import source_layers
 from mlaconv.devices import DTYPES, check_device
 from mlaconv.errors import MlaconvError
@@ -113,6 +113,12 @@ def kv_budget(spec: SourceSpec, kv_keep: float, rope_dim: int | None, chosen: Ta
                                 lambda R: model_full_rank(spec, R), kv_keep, source_elements)
 
 
+def full_latent(spec: SourceSpec, rope_dim: int | None, chosen: Target | None = None) -> ShapeChoice:
+    """(r, R) at the full rank of the given or default R: the whole latent, whose spectrum holds every rank."""
+    R = rope_dim if rope_dim is not None else min(DEFAULT_ROPE_DIM, spec.rotary_dim)
+    return replace(plan_shapes(spec, model_full_rank(spec, R), None, rope_dim, chosen), reason="the full rank")
+
+
 def model_full_rank(spec: SourceSpec, rope_dim: int) -> int:
     """The largest useful latent rank over the layers: a layer without RoPE keeps its whole key in the latent,
     so its full rank does not lose the R rope dims (the rotated layers' latents are then zero-padded)."""
@@ -170,11 +176,14 @@ def residual_scale(spec: SourceSpec) -> float:
     return math.sqrt(LATENT_NORM_EPS / spec.rms_norm_eps)
 
 
-def layer_options(spec: SourceSpec, shapes: ShapeChoice, options: ConvertOptions) -> LayerOptions:
+def layer_options(spec: SourceSpec, shapes: ShapeChoice, options: ConvertOptions,
+                  chosen: Target | None = None) -> LayerOptions:
+    """Each layer's conversion options for the serving target ``chosen`` (the plan's; else ``options.target``)."""
     return LayerOptions(
         rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling,
         rope_stride=options.rope_stride, rotary_dim=spec.rotary_dim, context=min(spec.max_position_embeddings, 4096),
-        residual_scale=residual_scale(spec), delta=options.delta, biases=target(options.target).biases,
+        residual_scale=residual_scale(spec), delta=options.delta,
+        biases=(chosen or target(options.target)).biases,
     )
 
 
@@ -191,26 +200,29 @@ def calibration_data(folder: Path, options: ConvertOptions) -> CalibrationData |
     return CalibrationData((str(GENERAL_TEXT),), None, GENERAL_TEXT_DESCRIPTION)
 
 
-def calibration_description(folder: Path, options: ConvertOptions, data: CalibrationData | None) -> str:
+def calibration_description(plan: Plan) -> str:
     """The report's line on the calibration data, weights-only included."""
-    if data is not None:
-        return data.description
-    if options.weights_only:
+    if plan.calibration is not None:
+        return plan.calibration.description
+    if plan.options.weights_only:
         return "none: --weights-only"
     return ("none: the source has no tokenizer to read the bundled calibration text with, so it was converted from "
             "its weights alone; give --calib FILE.jsonl (token ids) to calibrate")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """A validated conversion: the opened source, the chosen shapes, the per-layer options and the calibration data
-    (None: weights only)."""
+    """A validated conversion: its options, the opened source, the serving target, the chosen shapes, the per-layer
+    options, the output dtype and the calibration data (None: weights only)."""
 
+    options: ConvertOptions
     folder: Path
     spec: SourceSpec
     reader: CheckpointReader
+    target: Target
     shapes: ShapeChoice
     layer: LayerOptions
+    dtype: torch.dtype
     calibration: CalibrationData | None = None
 
     @property
@@ -218,20 +230,30 @@ class Plan:
         return self.calibration is not None
 
     @property
+    def attention_bias(self) -> bool:
+        """Whether the output has attention bias tensors: where the source has them and the target keeps them."""
+        return bool(self.spec.qkv_bias or self.spec.o_bias) and self.layer.biases
+
+    @property
     def shape(self) -> AttentionShape:
         return self.spec.attention_shape
 
 
-def plan_conversion(source: str, options: ConvertOptions) -> Plan:
-    """Open and validate the source, check the recipe, and choose (r, R); cheap (headers only)."""
-    target(options.target)  # an unknown target fails before the source is opened
+def plan_conversion(source: str, options: ConvertOptions, every_rank: bool = False) -> Plan:
+    """Open and validate the source, check the recipe, resolve the serving target, and choose (r, R); cheap (headers
+    only). With ``every_rank`` and neither a rank nor a budget, the plan is at the full rank (``full_latent``: what
+    ``inspect spectra`` analyses) instead of refused."""
+    chosen = target(options.target)  # an unknown target fails before the source is opened
     folder, spec, reader = load_source(source, options.revision, options.allow_sliding_window)
-    if options.recipe:
-        check_recipe(load_recipe(options.recipe), spec)
+    if options.recipe is not None:
+        check_recipe(options.recipe, spec)
     calibration = calibration_data(folder, options)
     if spec.family.qk_norm and calibration is None:
         raise MlaconvError(QK_NORM_NEEDS_CALIBRATION.format(label=spec.family.label))
-    shapes = plan_shapes(spec, options.rank, options.kv_keep, options.rope_dim, target(options.target))
+    if every_rank and options.rank is None and options.kv_keep is None:
+        shapes = full_latent(spec, options.rope_dim, chosen)
+    else:
+        shapes = plan_shapes(spec, options.rank, options.kv_keep, options.rope_dim, chosen)
     searched = calibration is not None and options.kv_keep is not None and options.rope_dim is None  # see calibrated.search_shapes
     if (options.rope_stride is not None and not searched
             and options.rope_stride not in rope.strides(spec.rotary_dim, shapes.rope_dim)):
@@ -262,7 +284,8 @@ def plan_conversion(source: str, options: ConvertOptions) -> Plan:
                                f"({spec.max_position_embeddings} tokens)")
     if options.evaluated:
         eval_source(options)  # a missing eval file or a malformed dataset name fails now, not after hours
-    return Plan(folder, spec, reader, shapes, layer_options(spec, shapes, options), calibration)
+    return Plan(options, folder, spec, reader, chosen, shapes, layer_options(spec, shapes, options, chosen),
+                output_dtype(spec, options.dtype), calibration)
 
 
 def describe_model(spec: SourceSpec) -> str:
@@ -319,13 +342,13 @@ def estimate_output_bytes(spec: SourceSpec, shapes: ShapeChoice, dtype: torch.dt
     return total * torch.empty((), dtype=dtype).element_size()
 
 
-def output_config(spec: SourceSpec, shapes: ShapeChoice, stride: int, target_name: str, attention_bias: bool,
+def output_config(spec: SourceSpec, shapes: ShapeChoice, stride: int, chosen: Target, attention_bias: bool,
                   dtype: torch.dtype) -> tuple[dict, dict | None]:
-    """The output's config.json for ``target_name``, and the rope rewrite that target made, if any."""
+    """The output's config.json for the serving target ``chosen``, and the rope rewrite it made, if any."""
     kept = rope.kept_frequencies(shapes.rope_dim, stride)
     theta = rope.target_rope_theta(spec.rope_theta, spec.rotary_dim, shapes.rope_dim, stride)
-    rope_scaling, rope_rewrite = rope_scaling_for(target(target_name), rope.target_rope_scaling(spec.rope_scaling, kept),
-                                                  theta, shapes.rope_dim, spec.rope_frequencies()[kept])
+    rope_scaling, rope_rewrite = rope_scaling_for(chosen, rope.target_rope_scaling(spec.rope_scaling, kept), theta,
+                                                  shapes.rope_dim, spec.rope_frequencies()[kept])
     config = deepseek.build_config(spec, rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=theta,
                                    rope_scaling=rope_scaling, attention_bias=attention_bias,
                                    dtype_name=str(dtype).replace("torch.", ""))

@@ -1,5 +1,6 @@
-"""The ``ConversionReport`` of a finished conversion, built in one place: its top-level figures from the plan and the
-written layers' ``LayerReport``s, and the sections of the steps after the layers (``Sections``)."""
+"""The ``ConversionReport`` of a finished conversion, built in one place from typed parts: its top-level figures from
+the plan and the written layers' ``LayerReport``s, the pipeline's own sections (``PipelineSections``), the serving
+target's, and the sections of the steps after the layers (``Sections``)."""
 
 from __future__ import annotations
 
@@ -7,30 +8,25 @@ import importlib.metadata
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from mlaconv import __version__
-from mlaconv.conversion.options import ConvertOptions
-from mlaconv.conversion.plan import Plan, kv_cache_figures
+from mlaconv.conversion.pipelines import Pipeline
+from mlaconv.conversion.plan import calibration_description, kv_cache_figures
 from mlaconv.evaluate.verdict import conversion_verdict
 from mlaconv.mla.latent_norm import LATENT_NORM_EPS
-from mlaconv.mla.layer import LayerReport
 from mlaconv.report import ConversionReport, EvalReport, RetrievalReport
-from mlaconv.report.conversion import (Absorbed, Calibration, EnergyFigures, HealReport, KVFigures, LatentNorm,
-                                       ShapeSearch, SourceShape, TargetReport, Verification)
+from mlaconv.report.conversion import (Absorbed, EnergyFigures, HealReport, KVFigures, LatentNorm, SourceShape,
+                                       Verification)
 from mlaconv.report.record import Failure
 from mlaconv.target.engines import BIASES
 from mlaconv.target.serving import serving_notes
+from mlaconv.target.targets import target_report
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sections:
     """What the steps after the layers add to the report (each None where it did not run); a step that failed is its
     ``Failure``."""
 
-    shape_search: ShapeSearch | None = None
-    calibration_data: str | None = None
-    calibration: Calibration | None = None
     heal: HealReport | Failure | None = None
     verify: Verification | Failure | None = None
     eval: EvalReport | Failure | None = None
@@ -38,17 +34,19 @@ class Sections:
     absorbed: Absorbed | None = None
 
 
-def conversion_report(plan: Plan, config: dict, reports: list[LayerReport], out: Path, given: str,
-                      dtype: torch.dtype, options: ConvertOptions, copied: list[str], target: TargetReport,
-                      sections: Sections) -> ConversionReport:
-    """The report of the conversion ``plan`` of ``given`` (a path, or a hub id) written to ``out``: the figures of
-    its written layers (``reports``), its ``sections`` and the verdict they give."""
-    spec, shapes, source = plan.spec, plan.shapes, plan.folder
+def conversion_report(pipeline: Pipeline, config: dict, rope_rewrite: dict | None, out: Path, given: str,
+                      copied: list[str], sections: Sections) -> ConversionReport:
+    """The report of ``pipeline``'s conversion of ``given`` (a path, or a hub id) into ``out``: the figures of its plan
+    and written layers, its own sections, the serving target's (with the ``rope_rewrite`` the output's config made),
+    the ``sections`` of the steps after the layers and the verdict they give."""
+    plan, reports, own = pipeline.plan, pipeline.step.reports, pipeline.sections()
+    spec, shapes, source, options, dtype = plan.spec, plan.shapes, plan.folder, plan.options, plan.dtype
     kv = kv_cache_figures(spec, shapes, dtype)
     energy = [r.energy_retained for r in reports]
     rope_kept = [r.rope_energy_kept for r in reports]
     dropped = sorted({b for r in reports for b in r.dropped_bias} - set(BIASES))  # no stack holds these; the
     # biases a target leaves out are in the report's target
+    recipe = str(options.recipe.path) if options.recipe is not None else None
     return ConversionReport(
         mlaconv_version=__version__,
         transformers_version=importlib.metadata.version("transformers"),
@@ -56,12 +54,12 @@ def conversion_report(plan: Plan, config: dict, reports: list[LayerReport], out:
         source=str(source),
         source_id=None if Path(given).expanduser().exists() else given,  # a hub id, not a local path
         source_revision=source.name if source.parent.name == "snapshots" else None,
-        settings={k: v for k, v in asdict(options).items() if k not in ("force", "recipe_applied")},
+        settings={k: v for k, v in asdict(options).items() if k != "force"} | {"recipe": recipe},
         architecture=spec.family.label,
         source_shape=SourceShape(spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                  spec.rotary_dim, [i for i, rotated in enumerate(spec.rope_layers) if not rotated]),
-        recipe=options.recipe,
-        mode="weights-only" if sections.calibration is None else "calibrated",
+        recipe=recipe,
+        mode=pipeline.name,
         dtype=str(dtype).replace("torch.", ""),
         kv_lora_rank=shapes.rank,
         qk_rope_head_dim=shapes.rope_dim,
@@ -89,10 +87,10 @@ def conversion_report(plan: Plan, config: dict, reports: list[LayerReport], out:
         dropped_bias=dropped,
         tokenizer_files=copied,
         serving=serving_notes(spec, config, dropped),
-        target=target,
-        shape_search=sections.shape_search,
-        calibration_data=sections.calibration_data,
-        calibration=sections.calibration,
+        target=target_report(plan.target, reports, rope_rewrite, plan.calibrated),
+        shape_search=own.shape_search,
+        calibration_data=calibration_description(plan),
+        calibration=own.calibration,
         verify=sections.verify,
         eval=sections.eval,
         retrieval=sections.retrieval,

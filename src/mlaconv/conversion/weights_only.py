@@ -1,5 +1,6 @@
 """The weights-only pipeline: each layer converted from its weights alone, two at a time where a spare core and the
-memory allow (``WeightsOnly``, ``layer_workers``), with one-thread operators on 2 cores (``weights_only_operators``)."""
+memory allow (``WeightsOnly``, ``layer_workers``), with one-thread operators on 2 cores (``weights_only_operators``)
+and, with a spare core, the writer's own thread (``WeightsOnlyPipeline``)."""
 
 from __future__ import annotations
 
@@ -7,31 +8,55 @@ import itertools
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 
 import torch
 
 from mlaconv.conversion.pipeline import LayerStep, SourceLayer
-from mlaconv.conversion.plan import Plan, factor_precision
+from mlaconv.conversion.pipelines import Pipeline, register
+from mlaconv.conversion.plan import Plan, factor_precision, with_rope_stride
+from mlaconv.io.heap import heap_reuse
 from mlaconv.mla.attention import convert_attention
 from mlaconv.mla.layer import LayerReport, MLAAttention, SourceAttention
+from mlaconv.progress import Progress, no_progress
 
 LAYER_MEMORY = 2**30  # a second layer is factored at once only below this working set
+WRITE_AHEAD_BYTES = 64 * 2**20  # tensors waiting for the writer's thread, at most (or one larger)
+
+
+@register("weights-only")
+class WeightsOnlyPipeline(Pipeline):
+    """The weights-only conversion: the rope stride chosen from the weights, then ``WeightsOnly`` on each layer.
+
+    Its layer pass runs with one-thread operators where two layers fit at once (``weights_only_operators``); with a
+    spare core, freed memory is reused (io.heap) and the writer's own thread writes each tensor while the next ones are
+    computed (a calibrated pass does neither: its peak is close to its 1.5 GB goal)."""
+
+    def __init__(self, plan: Plan, progress: Progress = no_progress):
+        super().__init__(with_rope_stride(plan, progress))
+        self.step = WeightsOnly(self.plan)
+
+    @contextmanager
+    def layer_pass(self) -> Iterator[int]:
+        with weights_only_operators(two_layers_fit(self.plan)):
+            threads = spare_core()
+            with heap_reuse() if threads else nullcontext():
+                yield WRITE_AHEAD_BYTES if threads else 0
 
 
 class WeightsOnly(LayerStep):
     """Each layer converted from its weights alone (``convert_attention``), cast to the output dtype at once.
 
-    ``ahead`` factors the next layers on ``workers`` threads while the caller writes one: torch's operators release
-    the GIL, so with one-thread operators (``OMP_NUM_THREADS=1``, or ``weights_only_operators``) two layers use two
-    cores, and every operator runs as it would alone (the same bytes).
+    ``ahead`` factors the next layers on ``layer_workers`` threads while the caller writes one: torch's operators
+    release the GIL, so with one-thread operators (``OMP_NUM_THREADS=1``, or ``weights_only_operators``) two layers use
+    two cores, and every operator runs as it would alone (the same bytes).
     """
 
-    def __init__(self, plan: Plan, dtype: torch.dtype | None = None, workers: int = 1):
-        self.plan, self.dtype, self.workers, self._reports = plan, dtype, workers, []
-        self.options = replace(plan.layer, precision=factor_precision(dtype))
+    def __init__(self, plan: Plan):
+        self.plan, self._reports = plan, []
+        self.options = replace(plan.layer, precision=factor_precision(plan.dtype))
 
     def __call__(self, layer: SourceLayer) -> dict[str, MLAAttention]:
         return self._collect(self._convert(layer.attention))
@@ -39,20 +64,21 @@ class WeightsOnly(LayerStep):
     def convert_layers(self, layers: Iterable[SourceLayer], start: Callable[[], None]
                        ) -> Iterator[tuple[int, dict[str, MLAAttention]]]:
         # one layer at a time unless two run at once: an interrupt then waits for one operator, not a layer
-        if self.workers > 1:
-            return self.ahead(layers, start)
+        workers = layer_workers(self.plan)
+        if workers > 1:
+            return self.ahead(layers, start, workers)
         return super().convert_layers(layers, start)
 
-    def ahead(self, layers: Iterable[SourceLayer], start: Callable[[], None]
+    def ahead(self, layers: Iterable[SourceLayer], start: Callable[[], None], workers: int
               ) -> Iterator[tuple[int, dict[str, MLAAttention]]]:
-        """(index, models) of every layer in order; ``start`` runs here once the first layers are on the threads (the
-        outer tensors are written meanwhile). The weights are read here, in order (the reader and a fused tensor's
-        cache stay on one thread); only the arithmetic runs on the threads."""
-        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="mlaconv-layer")
+        """(index, models) of every layer in order, ``workers`` layers at once; ``start`` runs here once the first
+        layers are on the threads (the outer tensors are written meanwhile). The weights are read here, in order (the
+        reader and a fused tensor's cache stay on one thread); only the arithmetic runs on the threads."""
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="mlaconv-layer")
         waiting: deque[tuple[int, Future]] = deque()
         layers = iter(layers)
         try:
-            for layer in itertools.islice(layers, self.workers):
+            for layer in itertools.islice(layers, workers):
                 waiting.append((layer.index, pool.submit(self._convert, layer.attention)))
             start()
             for layer in layers:  # one layer more than the threads: the next waits read
@@ -67,7 +93,7 @@ class WeightsOnly(LayerStep):
 
     def _convert(self, attention: SourceAttention) -> tuple[MLAAttention, LayerReport]:
         mla, report = convert_attention(attention, self.plan.shape, self.options)
-        return (mla if self.dtype is None else mla.cast(dtype=self.dtype)), report
+        return mla.cast(dtype=self.plan.dtype), report
 
     def _collect(self, converted: tuple[MLAAttention, LayerReport]) -> dict[str, MLAAttention]:
         mla, report = converted

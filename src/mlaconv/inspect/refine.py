@@ -1,10 +1,10 @@
 """``inspect spectra --refine``: convert's calibrated steps, layer by layer, without writing anything.
 
-The same preparation as ``conversion.run.convert`` (``calibrated.prepare``: the (r, R) split search for --kv-keep, the
-refinement plan) and the
-same ``calibrated.calibrate_layer`` on every layer: the variant kept on the select windows, its refinement, and both
-measured on the audit windows. What it adds to the spectra is what refinement recovers, per layer: the attention
-error and the rotary figures of the closed form and of the refined layer.
+The same preparation as ``conversion.run.convert`` (``calibrated.CalibratedPipeline``: the (r, R) split search for
+--kv-keep, the refinement plan) and the same ``calibrated.calibrate_layer`` on every layer: the variant kept on the
+select windows, its refinement, and both measured on the audit windows. What it adds to the spectra is what
+refinement recovers, per layer: the attention error and the rotary figures of the closed form and of the refined
+layer.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 from mlaconv.calibration.rotary_audit import RotaryAudit
 from mlaconv.calibration.streamer import SourceStreamer
-from mlaconv.conversion.calibrated import RefinementPlan, calibrate_layer, prepare
-from mlaconv.conversion.options import ConvertOptions
+from mlaconv.conversion.calibrated import CalibratedPipeline, RefinementPlan, calibrate_layer
 from mlaconv.conversion.pipeline import SourceLayer
 from mlaconv.conversion.plan import Plan
 from mlaconv.errors import MlaconvError
@@ -43,16 +42,18 @@ class RefinementPass:
                                  self.refinement.steps, self.refinement.batch, self.layers)
 
 
-def start_refinement(plan: Plan, settings: ConvertOptions,
-                     progress: Progress = no_progress) -> tuple[Plan, RefinementPass]:
-    """Convert's preparation: the calibration windows, the split search (--kv-keep without --rope-dim), the
-    streamer and the refinement plan → the plan at convert's split, and the pass to feed each layer to."""
+def start_refinement(plan: Plan, progress: Progress = no_progress) -> tuple[Plan, RefinementPass]:
+    """Convert's preparation (``CalibratedPipeline``): the calibration windows, the split search (--kv-keep without
+    --rope-dim), the streamer, the refinement plan and the rope stride → the plan at convert's split, and the pass to
+    feed each layer to."""
+    settings = plan.options
     if settings.kv_keep is None:
         raise MlaconvError("--refine converts each layer at the split convert chooses for a budget: give --kv-keep")
     if not settings.calibrated:
         raise MlaconvError("--refine measures on calibration windows: give --calib or --calib-dataset")
-    plan, streamer, refinement, shape_search = prepare(plan, settings, progress)
-    return plan, RefinementPass(streamer, refinement, settings.layer_search, shape_search)
+    pipeline = CalibratedPipeline(plan, progress)
+    return pipeline.plan, RefinementPass(pipeline.streamer, pipeline.refinement, settings.layer_search,
+                                         pipeline.shape_search)
 
 
 def layer_audit(report: LayerReport) -> LayerAudit:

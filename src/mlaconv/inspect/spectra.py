@@ -33,8 +33,7 @@ from mlaconv import __version__
 from mlaconv.conversion.calibrated import calibrated_layer_options, calibration_streamer, window_sets
 from mlaconv.conversion.options import ConvertOptions, flags, shared
 from mlaconv.conversion.pipeline import source_layers
-from mlaconv.conversion.plan import (ShapeChoice, factor_precision, model_full_rank, output_dtype, plan_conversion,
-                                     with_rope_stride)
+from mlaconv.conversion.plan import ShapeChoice, factor_precision, model_full_rank, plan_conversion, with_rope_stride
 from mlaconv.errors import MlaconvError
 from mlaconv.inspect.refine import start_refinement
 from mlaconv.mla import rope
@@ -75,9 +74,9 @@ class SpectraOptions:
     refine_steps: int | None = shared("refine_steps")  # with refine
 
     def convert_options(self) -> ConvertOptions:
-        """The ``convert`` settings these spectra preview (any rank: it does not enter the analysis)."""
-        return ConvertOptions(rank=None if self.kv_keep is not None else 1,
-                              weights_only=not (self.calib or self.calib_dataset),
+        """The ``convert`` settings these spectra preview: the shared ones, and no rank (the spectra hold every
+        rank; ``plan_conversion(..., every_rank=True)``)."""
+        return ConvertOptions(weights_only=not (self.calib or self.calib_dataset),
                               **{name: getattr(self, name) for name in flags(SpectraOptions)})
 
 
@@ -115,21 +114,20 @@ def spectra(source: str, options: SpectraOptions, progress: Progress = no_progre
     _check_targets(options.energy_targets)
     if options.refine_steps is not None and not options.refine:
         raise MlaconvError("--refine-steps sets the steps of --refine: give --refine too")
-    settings = options.convert_options()
-    plan = plan_conversion(source, settings)
+    plan = plan_conversion(source, options.convert_options(), every_rank=True)
     folder, spec, reader = plan.folder, plan.spec, plan.reader
     try:
         refining = None
         if options.refine:  # convert's split and refinement plan
-            plan, refining = start_refinement(plan, settings, progress)
+            plan, refining = start_refinement(plan, progress)
         recommended = plan.shapes if options.kv_keep is not None else None
         shapes = plan.shapes
         full = model_full_rank(spec, shapes.rope_dim)
         ranks = _ranks(options.ranks, full, recommended)
-        streamer = refining.streamer if refining else calibration_streamer(plan, settings)
+        streamer = refining.streamer if refining else calibration_streamer(plan)
         plan = with_rope_stride(plan, progress)
         calibrated = streamer is not None or stats_for_layer is not None
-        weights_only = replace(plan.layer, precision=factor_precision(output_dtype(spec, settings.dtype)))
+        weights_only = replace(plan.layer, precision=factor_precision(plan.dtype))
         layers = []
         for source in source_layers(reader, spec, streamer, progress, "analysing layers"):
             i, audit, rotary = source.index, None, None

@@ -145,9 +145,8 @@ def rope_scaling_for(chosen: Target, rope_scaling: dict | None, theta: float, ro
     return rope_scaling, None
 
 
-def target_report(name: str, reports: list, rope_rewrite: dict | None, calibrated: bool) -> TargetReport:
+def target_report(chosen: Target, reports: list, rope_rewrite: dict | None, calibrated: bool) -> TargetReport:
     """The report's ``target`` section: the engines, what was left out of the output for them, and how."""
-    chosen = target(name)
     dropped = sorted({b for r in reports for b in r.dropped_bias if b in BIASES})
     note = None
     if dropped:

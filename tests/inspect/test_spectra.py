@@ -23,6 +23,7 @@ from mlaconv.mla.attention import analyse_layer, convert_attention
 from mlaconv.mla.layer import LayerStats
 from mlaconv.source.spec import load_source
 from mlaconv.source.weights import SourceWeights
+from mlaconv.target.targets import target
 from helpers import LAYER_KEYS, RECOMMENDATION_KEYS, SUMMARY_KEYS, TOP_KEYS, check_schema
 
 
@@ -203,7 +204,8 @@ def test_calibration_hook_is_applied_as_in_convert(tiny_model):
 
     _, spec, reader = load_source(str(src))
     shapes = plan_shapes(spec, 12, None, 8)
-    lopts = calibrated_layer_options(layer_options(spec, shapes, ConvertOptions(rope_stride=calibrated.rope_stride)))
+    lopts = calibrated_layer_options(layer_options(spec, shapes, ConvertOptions(rope_stride=calibrated.rope_stride),
+                                                     target(ConvertOptions().target)))
     shape = spec.attention_shape
     expected = []
     for i in range(2):

@@ -176,14 +176,13 @@ def residual_scale(spec: SourceSpec) -> float:
     return math.sqrt(LATENT_NORM_EPS / spec.rms_norm_eps)
 
 
-def layer_options(spec: SourceSpec, shapes: ShapeChoice, options: ConvertOptions,
-                  chosen: Target | None = None) -> LayerOptions:
-    """Each layer's conversion options for the serving target ``chosen`` (the plan's; else ``options.target``)."""
+def layer_options(spec: SourceSpec, shapes: ShapeChoice, options: ConvertOptions, chosen: Target) -> LayerOptions:
+    """Each layer's conversion options for the serving target ``chosen``."""
     return LayerOptions(
         rank=shapes.rank, rope_dim=shapes.rope_dim, rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling,
         rope_stride=options.rope_stride, rotary_dim=spec.rotary_dim, context=min(spec.max_position_embeddings, 4096),
         residual_scale=residual_scale(spec), delta=options.delta,
-        biases=(chosen or target(options.target)).biases,
+        biases=chosen.biases,
     )
 
 

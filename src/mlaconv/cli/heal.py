@@ -33,6 +33,8 @@ def heal(
     batch: int = typer.Option(DEFAULT_BATCH, "--batch", help="Windows per step."),
     lr: float = typer.Option(DEFAULT_LR, "--lr", help="Adam's step relative to each row's RMS."),
     top_k: int = typer.Option(DEFAULT_TOP_K, "--top-k", help="Source log-probabilities kept per position."),
+    written: int = typer.Option(0, "--written", help="Also train on this many tokens of text the source writes "
+                                                     "itself (sampled from it, seeded)."),
     check_every: int = typer.Option(CHECK_EVERY, "--check-every", help="Steps between measurements on the select "
                                                                        "windows (the best is kept)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when torch sees a GPU)."),
@@ -63,7 +65,7 @@ def heal(
         if data is None:
             raise MlaconvError(f"{source} has no tokenizer to read the bundled text with: give --calib FILE.jsonl")
         options = HealOptions(tokens=tokens, window=window, batch=batch, lr=lr, top_k=top_k, check_every=check_every,
-                              device=device or default_device())
+                              device=device or default_device(), written_tokens=written)
         with progress(quiet) as track:
             report = run_heal(model, source, out or model, data, options, force=force, progress=track)
         render_report(report, report_console(json_out))

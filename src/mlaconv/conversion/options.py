@@ -114,6 +114,9 @@ class ConvertOptions:
     heal_window: int | None = option(None, "Tokens per healing window (default 512; at most --calib-window); each step "
                                            "trains on 2048 tokens, so fewer windows per step when they are longer.",
                                      int, recipe=(int,))
+    heal_written: int | None = option(None, "Tokens of text the source writes itself (sampled from it, seeded) that "
+                                            "healing trains on beside the calibration data (default 0).",
+                                      int, recipe=(int,))
     absorbed: bool = option(False, "Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to "
                                    "OUT/absorbed.", bool)
     recipe: Recipe | None = None  # the recipe applied (``from_recipe``), which the plan checks against the source

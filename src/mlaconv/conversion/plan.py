@@ -269,6 +269,8 @@ def plan_conversion(source: str, options: ConvertOptions, every_rank: bool = Fal
         raise MlaconvError("--heal-tokens trains on calibration data: give --calib (or drop --weights-only)")
     if options.heal_tokens is not None and options.heal_tokens < 0:
         raise MlaconvError(f"--heal-tokens must be ≥ 0, got {options.heal_tokens}")
+    if options.heal_written is not None and options.heal_written < 0:
+        raise MlaconvError(f"--heal-written must be ≥ 0, got {options.heal_written}")
     if options.heal_window is not None and not 2 <= options.heal_window <= options.calib_window:
         raise MlaconvError(f"--heal-window must be between 2 and --calib-window ({options.calib_window}), "
                            f"got {options.heal_window}")

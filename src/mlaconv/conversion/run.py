@@ -148,7 +148,8 @@ def _heal(converted: Path, plan: Plan, progress: Progress):
     data = conversion_data(plan.folder, plan.spec, plan.calibration, options.calib_tokens, options.calib_window)
     window = options.heal_window or DEFAULT_WINDOW
     heal_options = HealOptions(tokens=options.heal_tokens, max_tokens=HEAL_PER_CALIBRATION_TOKEN * options.calib_tokens,
-                               window=window, batch=max(1, STEP_TOKENS // window), device=options.calibration_device)
+                               window=window, batch=max(1, STEP_TOKENS // window), device=options.calibration_device,
+                               written_tokens=options.heal_written or 0)
     return heal_folder(converted, converted, plan.folder, data, heal_options, plan.shapes.rank, options.delta, progress)
 
 

@@ -56,6 +56,7 @@ class HealOptions:
     check_every: int = CHECK_EVERY
     device: str = "cpu"
     seed: int = 0
+    written_tokens: int = 0  # tokens of text the source writes itself (``generate``), added to the training windows
 
 
 @dataclass
@@ -209,6 +210,8 @@ def check_options(options: HealOptions) -> None:
     if options.tokens is not None and options.tokens < options.window * options.batch:
         raise MlaconvError(f"--tokens {options.tokens} is less than one step ({options.batch} windows of "
                            f"{options.window})")
+    if options.written_tokens < 0:
+        raise MlaconvError(f"--written must be ≥ 0, got {options.written_tokens}")
     if options.window < 2 or options.batch < 1 or options.top_k < 1 or options.check_every < 1:
         raise MlaconvError("--window must be ≥ 2 and --batch, --top-k and --check-every ≥ 1")
     if not (0 < options.lr < 1) or not math.isfinite(options.lr):

@@ -18,6 +18,7 @@ from mlaconv.calibration.windows import CalibrationData, cut_windows, drawn_wind
 from mlaconv.errors import MlaconvError
 from mlaconv.heal.distill import (HELD_WINDOWS, STEP_COST, TRAINED, HealOptions, check_options, default_tokens,
                                   teacher_targets, train)
+from mlaconv.heal.generate import written_windows
 from mlaconv.io import atomic_output_dir, check_output_target
 from mlaconv.io.models import load_causal_lm
 from mlaconv.io.text import TokenSource
@@ -109,6 +110,10 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     train_pool, select, held = (chunks(data.windows[ids], window) for ids in (data.train, data.select, data.held_out))
     teacher = load_causal_lm(source, torch.float32, device=options.device)
     parameters = sum(p.numel() for p in teacher.parameters())
+    if options.written_tokens:
+        count = -(-options.written_tokens // window)
+        train_pool = torch.cat([train_pool, written_windows(teacher, count, window, options.seed,
+                                                            teacher.config.bos_token_id, progress)])
     tokens = options.tokens or default_tokens(options, parameters, window, train_pool.shape[0])
     steps = max(1, tokens // (options.batch * window))
     train_ids = list(range(min(train_pool.shape[0], steps * options.batch)))  # drawn epoch after epoch if fewer
@@ -136,7 +141,8 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
         top_k=options.top_k, device=options.device, trained=[f"self_attn.{name}" for name in TRAINED],
         tokens=steps * options.batch * window, steps=steps, best_step=training.best_step,
         data_window=data.windows.shape[1], train_windows=data.train, select_windows=data.select,
-        held_out_windows=data.held_out, select_kl_before=training.select_before,
+        held_out_windows=data.held_out, written_windows=-(-options.written_tokens // window),
+        select_kl_before=training.select_before,
         select_kl_after=training.select_after, curve=[list(point) for point in training.curve],
         held_out_before=before, held_out_after=after, latent_bound=bound, rescaled_layers=rescaled,
         estimated_seconds=round(estimate, 1), seconds=round(time.perf_counter() - started, 1))

@@ -203,6 +203,7 @@ class HealReport(Record):
     rescaled_layers: list[int]
     estimated_seconds: float
     seconds: float
+    written_windows: int = 0  # windows the source wrote itself (``heal.generate``), trained on beside the train windows
     notes: list[str] = field(default_factory=list)
     verdict: Verdict | None = optional()
 

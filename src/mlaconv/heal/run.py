@@ -110,9 +110,9 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     train_pool, select, held = (chunks(data.windows[ids], window) for ids in (data.train, data.select, data.held_out))
     teacher = load_causal_lm(source, torch.float32, device=options.device)
     parameters = sum(p.numel() for p in teacher.parameters())
-    if options.written_tokens:
-        count = -(-options.written_tokens // window)
-        train_pool = torch.cat([train_pool, written_windows(teacher, count, window, options.seed,
+    written = -(-options.written_tokens // window)
+    if written:
+        train_pool = torch.cat([train_pool, written_windows(teacher, written, window, options.seed,
                                                             teacher.config.bos_token_id, progress)])
     tokens = options.tokens or default_tokens(options, parameters, window, train_pool.shape[0])
     steps = max(1, tokens // (options.batch * window))
@@ -141,7 +141,7 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
         top_k=options.top_k, device=options.device, trained=[f"self_attn.{name}" for name in TRAINED],
         tokens=steps * options.batch * window, steps=steps, best_step=training.best_step,
         data_window=data.windows.shape[1], train_windows=data.train, select_windows=data.select,
-        held_out_windows=data.held_out, written_windows=-(-options.written_tokens // window),
+        held_out_windows=data.held_out, written_windows=written,
         select_kl_before=training.select_before,
         select_kl_after=training.select_after, curve=[list(point) for point in training.curve],
         held_out_before=before, held_out_after=after, latent_bound=bound, rescaled_layers=rescaled,

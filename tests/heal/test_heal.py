@@ -150,3 +150,35 @@ def test_a_conversion_heals_on_the_window_it_is_given(tiny_model, tmp_path):
     with pytest.raises(MlaconvError, match="--heal-window must be between 2 and --calib-window"):
         convert(str(src), tmp_path / "long", ConvertOptions(**options, heal_window=128))
     assert not (tmp_path / "long").exists()
+
+
+def test_the_linear_schedule_lowers_the_step_to_zero(converted, tmp_path, monkeypatch):
+    """``--lr-schedule linear``: Adam's step at step s of n is lr·(1 − (s − 1)/n) (constant: lr every step); the
+    step each ``Adam.step`` call ran at is recorded, and a conversion passes ``--heal-lr-schedule`` on."""
+    src, folder, ids = converted
+    used: list[float] = []
+    step = torch.optim.Adam.step
+
+    def recorded(self, *args, **kwargs):
+        used.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", recorded)
+    for schedule, out in (("linear", "lin"), ("constant", "const")):
+        result = CliRunner().invoke(app, ["heal", "--json", str(folder), "--source", str(src), "--calib", str(ids),
+                                          "--out", str(tmp_path / out), "--window", "24", "--tokens", "480",
+                                          "--lr", "0.05", "--lr-schedule", schedule])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout.strip().splitlines()[-1])["lr_schedule"] == schedule
+    assert used == pytest.approx([0.05, 0.04, 0.03, 0.02, 0.01] + [0.05] * 5, rel=1e-12)
+    refused = CliRunner().invoke(app, ["heal", "--json", str(folder), "--source", str(src), "--calib", str(ids),
+                                       "--out", str(tmp_path / "bad"), "--lr-schedule", "cosine"])
+    assert refused.exit_code == 1 and "--lr-schedule must be one of constant, linear" in refused.stdout
+    options = dict(rank=8, rope_dim=8, calib=[str(ids)], calib_tokens=48 * 24, calib_window=48, refine_steps=0,
+                   heal_tokens=2048, verify=False)
+    used.clear()
+    report = convert(str(src), tmp_path / "converted", ConvertOptions(**options, heal_lr_schedule="linear")).heal
+    assert report.lr_schedule == "linear" and used[0] == report.lr and used[-1] == pytest.approx(report.lr / report.steps)
+    with pytest.raises(MlaconvError, match="--heal-lr-schedule must be one of"):
+        convert(str(src), tmp_path / "bad-convert", ConvertOptions(**options, heal_lr_schedule="cosine"))
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad-convert").exists()

@@ -12,7 +12,7 @@ from mlaconv.cli import app
 from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
                                  report_console)
 from mlaconv.heal.distill import CHECK_EVERY, CPU_SECONDS, CPU_TOKENS, CUDA_TOKENS, DEFAULT_BATCH, DEFAULT_LR, \
-    DEFAULT_TOP_K, DEFAULT_WINDOW
+    DEFAULT_SCHEDULE, DEFAULT_TOP_K, DEFAULT_WINDOW
 from mlaconv.report.conversion import HealReport
 
 
@@ -32,6 +32,8 @@ def heal(
     window: int = typer.Option(DEFAULT_WINDOW, "--window", help="Tokens per training window."),
     batch: int = typer.Option(DEFAULT_BATCH, "--batch", help="Windows per step."),
     lr: float = typer.Option(DEFAULT_LR, "--lr", help="Adam's step relative to each row's RMS."),
+    lr_schedule: str = typer.Option(DEFAULT_SCHEDULE, "--lr-schedule", help="constant, or linear: Adam's step "
+                                                                          "falls linearly from --lr to 0."),
     top_k: int = typer.Option(DEFAULT_TOP_K, "--top-k", help="Source log-probabilities kept per position."),
     written: int = typer.Option(0, "--written", help="Also train on this many tokens of text the source writes "
                                                      "itself (sampled from it, seeded)."),
@@ -64,7 +66,8 @@ def heal(
         data = calibration_data(source_folder, ConvertOptions(calib=list(calib), calib_dataset=calib_dataset))
         if data is None:
             raise MlaconvError(f"{source} has no tokenizer to read the bundled text with: give --calib FILE.jsonl")
-        options = HealOptions(tokens=tokens, window=window, batch=batch, lr=lr, top_k=top_k, check_every=check_every,
+        options = HealOptions(tokens=tokens, window=window, batch=batch, lr=lr, schedule=lr_schedule, top_k=top_k,
+                              check_every=check_every,
                               device=device or default_device(), written_tokens=written)
         with progress(quiet) as track:
             report = run_heal(model, source, out or model, data, options, force=force, progress=track)

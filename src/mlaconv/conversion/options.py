@@ -117,6 +117,8 @@ class ConvertOptions:
     heal_written: int | None = option(None, "Tokens of text the source writes itself (sampled from it, seeded) that "
                                             "healing trains on beside the calibration data (default 0).",
                                       int, recipe=(int,))
+    heal_lr_schedule: str | None = option(None, "Healing's step through training: constant, or linear (falling "
+                                                "from its start to 0; default constant).", str, recipe=(str,))
     absorbed: bool = option(False, "Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to "
                                    "OUT/absorbed.", bool)
     recipe: Recipe | None = None  # the recipe applied (``from_recipe``), which the plan checks against the source

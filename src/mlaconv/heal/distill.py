@@ -30,6 +30,8 @@ from mlaconv.progress import Progress, no_progress
 
 TRAINED = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # per layer, under self_attn
 DEFAULT_LR = 1e-3  # Adam's step, relative to each row's RMS
+SCHEDULES = ("constant", "linear")  # Adam's step through training: the same throughout, or falling linearly to 0
+DEFAULT_SCHEDULE = "constant"
 DEFAULT_WINDOW = 512
 DEFAULT_BATCH = 4  # windows per step
 STEP_TOKENS = DEFAULT_WINDOW * DEFAULT_BATCH  # a conversion's healing step, whatever its window
@@ -52,6 +54,7 @@ class HealOptions:
     window: int = DEFAULT_WINDOW
     batch: int = DEFAULT_BATCH
     lr: float = DEFAULT_LR
+    schedule: str = DEFAULT_SCHEDULE  # one of SCHEDULES
     top_k: int = DEFAULT_TOP_K
     check_every: int = CHECK_EVERY
     device: str = "cpu"
@@ -163,10 +166,13 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
           select_targets: Targets, steps: int, options: HealOptions, progress: Progress = no_progress,
           label: str = "healing") -> tuple[dict[str, torch.Tensor], Training]:
     """Adam on the trained tensors of ``model`` over ``steps`` steps of ``options.batch`` training windows (drawn
-    in a seeded order, epoch after epoch); the best state on the select windows (the start included) is returned."""
+    in a seeded order, epoch after epoch), its step scheduled by ``options.schedule``; the best state on the select
+    windows (the start included) is returned."""
     started = time.perf_counter()
     parameters = make_trainable(model)
     optimizer = torch.optim.Adam(parameters, lr=options.lr)
+    falling = options.schedule == "linear"  # step s (from 1) runs at lr·(1 − (s − 1)/steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1 - done / steps if falling else 1.0)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(options.seed)
     order: list[int] = []
@@ -185,6 +191,7 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
             (loss / (options.batch * train_windows.shape[1])).backward()
             tokens += train_windows.shape[1]
         optimizer.step()
+        schedule.step()
         if step % options.check_every == 0 or step == steps:
             measured = mean_kl(model, select_windows, select_targets)
             curve.append((step, measured))
@@ -216,3 +223,5 @@ def check_options(options: HealOptions) -> None:
         raise MlaconvError("--window must be ≥ 2 and --batch, --top-k and --check-every ≥ 1")
     if not (0 < options.lr < 1) or not math.isfinite(options.lr):
         raise MlaconvError(f"--lr must be in (0, 1), got {options.lr}")
+    if options.schedule not in SCHEDULES:
+        raise MlaconvError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {options.schedule!r}")

@@ -44,9 +44,12 @@ def test_a_conversion_heals_on_text_the_source_writes(tiny_model, tmp_path):
     ids = sampled_ids(tmp_path / "ids.jsonl", count=40, length=64)
     options = dict(rank=8, rope_dim=8, calib=[str(ids)], calib_tokens=64 * 24, calib_window=64, refine_steps=0,
                    heal_tokens=64 * 4 * 30, verify=False)
-    plain = convert(str(src), tmp_path / "plain", ConvertOptions(**options)).heal
+    plain = convert(str(src), tmp_path / "plain", ConvertOptions(**options, heal_written=0)).heal
     written = convert(str(src), tmp_path / "written", ConvertOptions(**options, heal_written=64 * 12)).heal
+    default = convert(str(src), tmp_path / "default", ConvertOptions(**options)).heal
     assert (plain.written_windows, written.written_windows) == (0, 12)
+    # by default as many written tokens as the training windows hold (fewer than 65,536): one window of 64 each
+    assert default.written_windows == len(default.train_windows) < 2**16 // 64
     assert written.train_windows == plain.train_windows and written.steps == plain.steps
     assert written.select_kl_after != plain.select_kl_after  # the extra windows changed what was trained
     assert written.held_out_after.kl < written.held_out_before.kl

@@ -12,7 +12,7 @@ from mlaconv.cli import app
 from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
                                  report_console)
 from mlaconv.heal.distill import CHECK_EVERY, CPU_SECONDS, CPU_TOKENS, CUDA_TOKENS, DEFAULT_BATCH, DEFAULT_LR, \
-    DEFAULT_SCHEDULE, DEFAULT_TOP_K, DEFAULT_WINDOW
+    DEFAULT_SCHEDULE, DEFAULT_TOP_K, DEFAULT_WINDOW, WRITTEN_TOKENS
 from mlaconv.report.conversion import HealReport
 
 
@@ -35,8 +35,9 @@ def heal(
     lr_schedule: str = typer.Option(DEFAULT_SCHEDULE, "--lr-schedule", help="constant, or linear: Adam's step "
                                                                           "falls linearly from --lr to 0."),
     top_k: int = typer.Option(DEFAULT_TOP_K, "--top-k", help="Source log-probabilities kept per position."),
-    written: int = typer.Option(0, "--written", help="Also train on this many tokens of text the source writes "
-                                                     "itself (sampled from it, seeded)."),
+    written: Optional[int] = typer.Option(None, "--written", help="Also train on this many tokens of text the "
+                                          f"source writes itself (sampled from it, seeded; default {WRITTEN_TOKENS:,}, "
+                                          "at most as many as the calibration tokens trained on; 0: none)."),
     check_every: int = typer.Option(CHECK_EVERY, "--check-every", help="Steps between measurements on the select "
                                                                        "windows (the best is kept)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when torch sees a GPU)."),

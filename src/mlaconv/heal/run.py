@@ -17,7 +17,7 @@ import torch
 from mlaconv.calibration.windows import CalibrationData, cut_windows, drawn_windows, split_windows
 from mlaconv.errors import MlaconvError
 from mlaconv.heal.distill import (HELD_WINDOWS, STEP_COST, TRAINED, HealOptions, check_options, default_tokens,
-                                  teacher_targets, train)
+                                  default_written, teacher_targets, train)
 from mlaconv.heal.generate import written_windows
 from mlaconv.io import atomic_output_dir, check_output_target
 from mlaconv.io.models import load_causal_lm
@@ -110,7 +110,7 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     train_pool, select, held = (chunks(data.windows[ids], window) for ids in (data.train, data.select, data.held_out))
     teacher = load_causal_lm(source, torch.float32, device=options.device)
     parameters = sum(p.numel() for p in teacher.parameters())
-    written = -(-options.written_tokens // window)
+    written = -(-default_written(options, train_pool.numel()) // window)
     if written:
         train_pool = torch.cat([train_pool, written_windows(teacher, written, window, options.seed,
                                                             teacher.config.bos_token_id, progress)])

@@ -97,7 +97,8 @@ def test_audit_windows_choose_nothing(tiny_model, tmp_path):
         rows = list(getattr(split_windows(16), name))
         tokens[rows] = random_tokens(len(rows), 24, 96, seed=4)
         runs[name] = tokens
-    reports = {name: convert(str(src), tmp_path / name, calibrated(tmp_path, tokens, name, rank=6, refine_steps=0))
+    reports = {name: convert(str(src), tmp_path / name, calibrated(tmp_path, tokens, name, rank=6, refine_steps=0,
+                                                                   heal_written=0))
                for name, tokens in runs.items()}
     sets = reports["base"].calibration.window_sets
     assert sets.select == list(split_windows(16).select) and sets.audit == list(split_windows(16).audit)

@@ -110,11 +110,12 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     train_pool, select, held = (chunks(data.windows[ids], window) for ids in (data.train, data.select, data.held_out))
     teacher = load_causal_lm(source, torch.float32, device=options.device)
     parameters = sum(p.numel() for p in teacher.parameters())
+    # the written windows join what the steps draw from, not the budget: its passes count the data's windows alone
+    tokens = options.tokens or default_tokens(options, parameters, window, train_pool.shape[0])
     written = -(-default_written(options, train_pool.numel()) // window)
     if written:
         train_pool = torch.cat([train_pool, written_windows(teacher, written, window, options.seed,
                                                             teacher.config.bos_token_id, progress)])
-    tokens = options.tokens or default_tokens(options, parameters, window, train_pool.shape[0])
     steps = max(1, tokens // (options.batch * window))
     train_ids = list(range(min(train_pool.shape[0], steps * options.batch)))  # drawn epoch after epoch if fewer
     timed = time.perf_counter()

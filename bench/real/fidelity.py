@@ -134,9 +134,10 @@ COLUMNS = [["run", "{name}"], ["KV kept", "{kv_keep:.1%}"], ["r + R", "{rank} + 
            ["÷ forward", "{convert_per_forward:.0f}×"]]
 NOTES = ("Perplexity by `mlaconv eval perplexity` in transformers (float32) against the source, 40 windows of 1,024 "
          "tokens of each text. "
-         "Calibration and healing read the bundled general text unless the command says otherwise; the defaults were "
-         "chosen on the development texts (*Pride and Prejudice*, the Python Language Reference: `real-dev.json`), "
-         "never on these texts. \"÷ forward\": the conversion's wall time over one "
+         "Calibration and healing read the bundled general text unless the command says otherwise (healing by default "
+         "also 65,536 tokens the source writes itself, from the written-50 row on); the defaults were chosen on the "
+         "development texts (*Pride and Prejudice*, the Python Language Reference, the tz database's history: "
+         "`real-dev.json`), never on these texts. \"÷ forward\": the conversion's wall time over one "
          "source forward pass over its calibration tokens. Each row's own commit, load and command are in the file.")
 
 

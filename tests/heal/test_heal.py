@@ -178,7 +178,8 @@ def test_the_linear_schedule_lowers_the_step_to_zero(converted, tmp_path, monkey
                    heal_tokens=2048, verify=False)
     used.clear()
     report = convert(str(src), tmp_path / "converted", ConvertOptions(**options, heal_lr_schedule="linear")).heal
-    assert report.lr_schedule == "linear" and used[0] == report.lr and used[-1] == pytest.approx(report.lr / report.steps)
+    assert report.lr_schedule == "linear" and used[0] == report.lr
+    assert used[-1] == pytest.approx(report.lr / report.steps)
     with pytest.raises(MlaconvError, match="--heal-lr-schedule must be one of"):
         convert(str(src), tmp_path / "bad-convert", ConvertOptions(**options, heal_lr_schedule="cosine"))
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad-convert").exists()

@@ -68,8 +68,7 @@ def heal(
         if data is None:
             raise MlaconvError(f"{source} has no tokenizer to read the bundled text with: give --calib FILE.jsonl")
         options = HealOptions(tokens=tokens, window=window, batch=batch, lr=lr, schedule=lr_schedule, top_k=top_k,
-                              check_every=check_every,
-                              device=device or default_device(), written_tokens=written)
+                              check_every=check_every, device=device or default_device(), written_tokens=written)
         with progress(quiet) as track:
             report = run_heal(model, source, out or model, data, options, force=force, progress=track)
         render_report(report, report_console(json_out))

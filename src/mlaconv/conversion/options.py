@@ -115,8 +115,8 @@ class ConvertOptions:
                                            "trains on 2048 tokens, so fewer windows per step when they are longer.",
                                      int, recipe=(int,))
     heal_written: int | None = option(None, "Tokens of text the source writes itself (sampled from it, seeded) that "
-                                            "healing trains on beside the calibration data (default: 65,536, at most as many as "
-                                            "the calibration tokens it trains on; 0: none).",
+                                            "healing trains on beside the calibration data (default: 65,536, at "
+                                            "most as many as the calibration tokens it trains on; 0: none).",
                                       int, recipe=(int,))
     heal_lr_schedule: str | None = option(None, "Healing's step through training: constant, or linear (falling "
                                                 "from its start to 0; default constant).", str, recipe=(str,))

@@ -273,7 +273,8 @@ def plan_conversion(source: str, options: ConvertOptions, every_rank: bool = Fal
     if options.heal_written is not None and options.heal_written < 0:
         raise MlaconvError(f"--heal-written must be ≥ 0, got {options.heal_written}")
     if options.heal_lr_schedule is not None and options.heal_lr_schedule not in SCHEDULES:
-        raise MlaconvError(f"--heal-lr-schedule must be one of {', '.join(SCHEDULES)}, got {options.heal_lr_schedule!r}")
+        raise MlaconvError(f"--heal-lr-schedule must be one of {', '.join(SCHEDULES)}, "
+                           f"got {options.heal_lr_schedule!r}")
     if options.heal_window is not None and not 2 <= options.heal_window <= options.calib_window:
         raise MlaconvError(f"--heal-window must be between 2 and --calib-window ({options.calib_window}), "
                            f"got {options.heal_window}")

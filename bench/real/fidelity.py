@@ -99,17 +99,18 @@ def run_heal(out: Path, base: Path, args: list[str]) -> tuple[dict, float, float
         windows = torch.stack(cut_windows(tokens.sequences, DEV_WINDOW)[:CURVE_WINDOWS])
         dev[name] = (windows, teacher_targets(teacher, windows, options.top_k))
     del teacher
-    curve, spent = [], [0.0]
+    curve, spent = [], 0.0
 
     def observe(step: int, model) -> None:
+        nonlocal spent
         started = time.perf_counter()
         curve.append({"step": step, **{name: mean_kl(model, w, t) for name, (w, t) in dev.items()}})
-        spent[0] += time.perf_counter() - started
+        spent += time.perf_counter() - started
 
     data = CalibrationData((str(GENERAL_TEXT),), None, GENERAL_TEXT_DESCRIPTION)
     before, started = time.process_time(), time.perf_counter()
     heal(base, str(SOURCE), out, data, options, force=True, progress=LineProgress(sys.stderr, 60), observe=observe)
-    wall, cpu = time.perf_counter() - started - spent[0], time.process_time() - before - spent[0]
+    wall, cpu = time.perf_counter() - started - spent, time.process_time() - before - spent
     return json.loads((out / "mlaconv.json").read_text()), wall, cpu, curve
 
 
@@ -167,16 +168,14 @@ def run(name: str, args: list[str], wikitext: Path, work: Path, baseline: str | 
         report, wall, cpu, curve = run_heal(out, work / heal_from, args)
         report["heal"]["seconds"] = round(wall, 1)  # without the curve's measurements
         wall, cpu = wall + base["convert_wall_s"], cpu + base["convert_cpu_s"]
-    elif baseline:
-        report, wall, cpu = convert_baseline(out, baseline, kv_keep)
-    else:
-        report, wall, cpu = convert(out, args)
-    calibration = report.get("calibration") or {}
-    heal = report.get("heal") or {}
-    if heal_from:
         forward = base["forward_wall_s"]  # the same conversion's yardstick, measured with its row
     else:
-        forward = forward_seconds(calibration["tokens"], calibration["window"]) if calibration.get("tokens") else None
+        report, wall, cpu = convert_baseline(out, baseline, kv_keep) if baseline else convert(out, args)
+        forward = None
+    calibration = report.get("calibration") or {}
+    heal = report.get("heal") or {}
+    if forward is None and calibration.get("tokens"):
+        forward = forward_seconds(calibration["tokens"], calibration["window"])
     config = json.loads((out / "config.json").read_text())
     source = json.loads((SOURCE / "config.json").read_text())
     source_kv = 2 * source["num_key_value_heads"] * source["head_dim"]

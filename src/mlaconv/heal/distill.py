@@ -50,6 +50,9 @@ WRITTEN_TOKENS = 2**16  # the default text the source writes itself, at most as 
 STEP_COST = 3.5  # one training token costs about this many source forward tokens (forward, backward, the update)
 
 
+Observer = Callable[[int, torch.nn.Module], None]  # (step, model being trained): a bench's measurements at checks
+
+
 @dataclass(frozen=True)
 class HealOptions:
     tokens: int | None = None  # training tokens (None: ``default_tokens``)
@@ -168,8 +171,7 @@ class Training:
 
 def train(model, train_windows: torch.Tensor, train_targets: Targets, select_windows: torch.Tensor,
           select_targets: Targets, steps: int, options: HealOptions, progress: Progress = no_progress,
-          label: str = "healing", observe: Callable[[int, torch.nn.Module], None] | None = None,
-          ) -> tuple[dict[str, torch.Tensor], Training]:
+          label: str = "healing", observe: Observer | None = None) -> tuple[dict[str, torch.Tensor], Training]:
     """Adam on the trained tensors of ``model`` over ``steps`` steps of ``options.batch`` training windows (drawn
     in a seeded order, epoch after epoch), its step scheduled by ``options.schedule``; the best state on the select
     windows (the start included) is returned. ``observe(step, model)``, when given, runs at the start and at every

@@ -16,8 +16,8 @@ import torch
 
 from mlaconv.calibration.windows import CalibrationData, cut_windows, drawn_windows, split_windows
 from mlaconv.errors import MlaconvError
-from mlaconv.heal.distill import (HELD_WINDOWS, STEP_COST, TRAINED, HealOptions, check_options, default_tokens,
-                                  default_written, teacher_targets, train)
+from mlaconv.heal.distill import (HELD_WINDOWS, STEP_COST, TRAINED, HealOptions, Observer, check_options,
+                                  default_tokens, default_written, teacher_targets, train)
 from mlaconv.heal.generate import written_windows
 from mlaconv.io import atomic_output_dir, check_output_target
 from mlaconv.io.models import load_causal_lm
@@ -71,7 +71,7 @@ def conversion_data(source: Path, spec, data: CalibrationData, calib_tokens: int
 
 
 def heal(folder: str | Path, source: str, out: str | Path, data: CalibrationData, options: HealOptions,
-         force: bool = False, progress: Progress = no_progress, observe=None) -> HealReport:
+         force: bool = False, progress: Progress = no_progress, observe: Observer | None = None) -> HealReport:
     """Heal the converted checkpoint in ``folder`` towards ``source`` on ``data``, writing the result to ``out``
     (``folder`` itself with ``force``); return what was done, also written to ``out/mlaconv.json`` as ``heal``.
     ``observe``: ``distill.train``'s."""
@@ -102,7 +102,7 @@ def chunks(windows: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options: HealOptions, rank: int,
-                delta: float, progress: Progress = no_progress, observe=None) -> HealReport:
+                delta: float, progress: Progress = no_progress, observe: Observer | None = None) -> HealReport:
     """Heal the converted checkpoint in ``folder`` (latent rank ``rank``, tiny-latent bound ``delta``) towards
     ``source`` into the folder ``into`` (``folder`` itself: its shards rewritten in place), on ``data``'s windows cut
     into ``options.window``-token chunks (shorter when its windows are)."""

@@ -119,7 +119,7 @@ class ConvertOptions:
                                             "most as many as the calibration tokens it trains on; 0: none).",
                                       int, recipe=(int,))
     heal_lr_schedule: str | None = option(None, "Healing's step through training: constant, or linear (falling "
-                                                "from its start to 0; default constant).", str, recipe=(str,))
+                                                "from its start to 0; default linear).", str, recipe=(str,))
     absorbed: bool = option(False, "Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to "
                                    "OUT/absorbed.", bool)
     recipe: Recipe | None = None  # the recipe applied (``from_recipe``), which the plan checks against the source

@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.run import convert
+from mlaconv.heal import generate
 from mlaconv.heal.generate import TOP_P, written_windows
 
 from test_heal import sampled_ids
@@ -37,6 +38,14 @@ def test_written_windows_are_the_sources_nucleus_samples(tiny_model):
     nucleus_size = ((ordered.cumsum(-1) - ordered) < TOP_P).sum(-1).float().mean()
     assert nucleus_size < 0.2 * probs.shape[-1]  # the check above is not vacuous
     assert len(set(drawn.flatten().tolist())) > 3  # sampled, not greedy
+
+
+def test_windows_are_written_in_batches_and_the_last_one_may_be_short(tiny_model, monkeypatch):
+    model = peaked(tiny_model(kv_heads=2, head_dim=16, layers=2))
+    monkeypatch.setattr(generate, "BATCH", 2)
+    windows = written_windows(model, count=5, length=24, seed=3, bos=7)  # batches of 2, 2 and 1
+    assert windows.shape == (5, 24) and (windows[:, 0] == 7).all()
+    assert len({tuple(w.tolist()) for w in windows}) == 5  # each window its own draw
 
 
 def test_a_conversion_heals_on_text_the_source_writes(tiny_model, tmp_path):

@@ -18,6 +18,7 @@ from mlaconv.errors import MlaconvError
 from mlaconv.heal import HealOptions, heal
 from mlaconv.heal import run as heal_run
 from mlaconv.mla.latent_norm import latent_bound
+from mlaconv.report.conversion import HealReport
 
 from helpers import hashes, leftovers, tensors
 
@@ -180,6 +181,8 @@ def test_the_linear_schedule_lowers_the_step_to_zero(converted, tmp_path, monkey
     report = convert(str(src), tmp_path / "converted", ConvertOptions(**options, heal_lr_schedule="linear")).heal
     assert report.lr_schedule == "linear" and used[0] == report.lr
     assert used[-1] == pytest.approx(report.lr / report.steps)
+    older = {key: value for key, value in report.to_json().items() if key != "lr_schedule"}
+    assert HealReport.from_json(older).lr_schedule == "constant"  # written before the key, when every step was lr
     with pytest.raises(MlaconvError, match="--heal-lr-schedule must be one of"):
         convert(str(src), tmp_path / "bad-convert", ConvertOptions(**options, heal_lr_schedule="cosine"))
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad-convert").exists()

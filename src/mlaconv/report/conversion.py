@@ -204,7 +204,7 @@ class HealReport(Record):
     estimated_seconds: float
     seconds: float
     written_windows: int = 0  # windows the source wrote itself (``heal.generate``), trained on beside the train windows
-    lr_schedule: str = "linear"  # ``heal.distill.SCHEDULES``
+    lr_schedule: str = "constant"  # ``heal.distill.SCHEDULES``; reports older than the key healed at a constant step
     notes: list[str] = field(default_factory=list)
     verdict: Verdict | None = optional()
 

@@ -95,11 +95,16 @@ def read_result(name: str) -> dict:
     return json.loads((RESULTS / f"{name}.json").read_text(encoding="utf-8"))
 
 
+def load_span() -> str:
+    """The load average when the bench started and now, in words (what else ran beside it)."""
+    return f"load average {LOAD_AT_START} at the start, {_load()} at the end"
+
+
 def write_result(name: str, bench: str, rows: list[dict], columns: list[list[str]], notes: str = "",
                  title: str = "", device: str | None = None) -> Path:
     """Write ``bench/results/NAME.json`` for this run (this commit, this machine, the load then, this command)."""
     result = {"bench": bench, "title": title, "commit": commit(), "machine": machine(device),
-              "load": f"load average {LOAD_AT_START} at the start, {_load()} at the end",
+              "load": load_span(),
               "command": " ".join(["python -m", sys.modules["__main__"].__spec__.name, *sys.argv[1:]])
               if getattr(sys.modules["__main__"], "__spec__", None) else " ".join(["python", *sys.argv]),
               "columns": columns, "rows": rows, "notes": notes}

@@ -58,12 +58,16 @@ def probe_row(name: str, base: str, args: list[str], heal: dict, wall: float, cu
             "command": f"python -m bench.real.heal_probe {name} --from {base} -- " + " ".join(args)}
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name", help="the probe's name (a rerun replaces it)")
     parser.add_argument("--from", dest="base", required=True, help="the fidelity row whose folder is healed")
     parser.add_argument("heal_args", nargs="*", help="after --: mlaconv heal's training options")
-    args = parser.parse_args()
+    return parser.parse_intermixed_args(argv)  # NAME --from ROW -- OPTIONS: the options after the name's flag
+
+
+def main() -> None:
+    args = parse()
     rows = read_result(NAME)["rows"] if (RESULTS / f"{NAME}.json").is_file() else []
     row = probe(args.name, args.base, args.heal_args)
     write_result(NAME, "real", [r for r in rows if r["name"] != args.name] + [row], COLUMNS, NOTES,

@@ -108,6 +108,11 @@ def write_result(name: str, bench: str, rows: list[dict], columns: list[list[str
               "command": " ".join(["python -m", sys.modules["__main__"].__spec__.name, *sys.argv[1:]])
               if getattr(sys.modules["__main__"], "__spec__", None) else " ".join(["python", *sys.argv]),
               "columns": columns, "rows": rows, "notes": notes}
+    return write_json(name, result)
+
+
+def write_json(name: str, result: dict) -> Path:
+    """Write ``result`` to ``bench/results/NAME.json`` and return its path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

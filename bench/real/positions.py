@@ -17,18 +17,15 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from bench.lib.results import commit, load_span, machine  # noqa: E402
+from bench.lib.results import commit, load_span, machine, write_json  # noqa: E402
 from bench.real.build import DEFAULT_OUT as SOURCE  # noqa: E402
 from mlaconv.evaluate.perplexity import evaluate_perplexity  # noqa: E402
 from mlaconv.io.text import TokenSource  # noqa: E402
 from mlaconv.progress import LineProgress  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "bench" / "results"
 BUCKETS = (512, 2048)
 
 
@@ -54,10 +51,7 @@ def main() -> None:
     result = {"bench": "real", "title": title, "commit": commit(), "machine": machine(),
               "load": load_span(),
               "command": " ".join(["python -m bench.real.positions", *sys.argv[1:]]), "report": report.to_json()}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"real-positions-{args.name}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(path)
+    print(write_json(f"real-positions-{args.name}", result))
 
 
 if __name__ == "__main__":

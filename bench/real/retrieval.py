@@ -18,18 +18,15 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from bench.lib.results import commit, machine  # noqa: E402
+from bench.lib.results import commit, machine, write_json  # noqa: E402
 from bench.real.build import DEFAULT_OUT as SOURCE  # noqa: E402
 from mlaconv.evaluate.retrieval import evaluate_retrieval  # noqa: E402
 from mlaconv.io.text import token_counts  # noqa: E402
 from mlaconv.progress import LineProgress  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "bench" / "results"
 
 
 def main() -> None:
@@ -55,10 +52,7 @@ def main() -> None:
               "command": " ".join(["python -m bench.real.retrieval", *sys.argv[1:]]),
               "model": str(args.model), "source": str(args.source), "trials": args.trials, "seed": args.seed,
               "dtype": args.dtype, "rows": rows}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"retrieval-{args.name}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(path)
+    print(write_json(f"retrieval-{args.name}", result))
 
 
 if __name__ == "__main__":

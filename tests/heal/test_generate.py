@@ -62,3 +62,15 @@ def test_a_conversion_heals_on_text_the_source_writes(tiny_model, tmp_path):
     assert written.train_windows == plain.train_windows and written.steps == plain.steps
     assert written.select_kl_after != plain.select_kl_after  # the extra windows changed what was trained
     assert written.held_out_after.kl < written.held_out_before.kl
+
+
+def test_a_small_budget_trains_on_both_kinds_in_their_shares_and_writes_no_more_than_it_trains_on():
+    from mlaconv.heal.run import trained_windows
+
+    assert trained_windows(10, 5, 20, seed=0) == (list(range(10)), 5)  # room for all: all, in order
+    kept, written = trained_windows(250, 128, 200, seed=0)
+    assert written == round(200 * 128 / 378) and len(kept) + written == 200  # the written share kept
+    assert len(set(kept)) == len(kept) and max(kept) > 200 and kept == sorted(kept)  # drawn from all of the data
+    assert trained_windows(250, 128, 200, seed=0) == (kept, written)
+    assert trained_windows(250, 128, 200, seed=1)[0] != kept
+    assert trained_windows(250, 0, 200, seed=0)[1] == 0

@@ -101,6 +101,18 @@ def chunks(windows: torch.Tensor, length: int) -> torch.Tensor:
     return windows[:, : per * length].reshape(-1, length)
 
 
+def trained_windows(data: int, written: int, needed: int, seed: int) -> tuple[list[int], int]:
+    """Which of ``data`` windows of the calibration data train, and how many of ``written`` windows the source writes,
+    when the steps use ``needed`` windows: all of both when they hold no more; else the same shares of ``needed``,
+    the data's windows drawn at random (``seed``), so a small budget still trains on both kinds and writes no more
+    than it trains on."""
+    if data + written <= needed:
+        return list(range(data)), written
+    written = round(needed * written / (data + written))
+    drawn = torch.randperm(data, generator=torch.Generator().manual_seed(seed))[: needed - written]
+    return sorted(drawn.tolist()), written
+
+
 def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options: HealOptions, rank: int,
                 delta: float, progress: Progress = no_progress, observe: Observer | None = None) -> HealReport:
     """Heal the converted checkpoint in ``folder`` (latent rank ``rank``, tiny-latent bound ``delta``) towards
@@ -113,12 +125,14 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     parameters = sum(p.numel() for p in teacher.parameters())
     # the written windows join what the steps draw from, not the budget: its passes count the data's windows alone
     tokens = options.tokens or default_tokens(options, parameters, window, train_pool.shape[0])
-    written = -(-default_written(options, train_pool.numel()) // window)
+    steps = max(1, tokens // (options.batch * window))
+    kept, written = trained_windows(train_pool.shape[0], -(-default_written(options, train_pool.numel()) // window),
+                                    steps * options.batch, options.seed)
+    train_pool = train_pool[kept]
     if written:
         train_pool = torch.cat([train_pool, written_windows(teacher, written, window, options.seed,
                                                             teacher.config.bos_token_id, progress)])
-    steps = max(1, tokens // (options.batch * window))
-    train_ids = list(range(min(train_pool.shape[0], steps * options.batch)))  # drawn epoch after epoch if fewer
+    train_ids = list(range(train_pool.shape[0]))  # drawn epoch after epoch when the steps need more
     timed = time.perf_counter()
     select_targets = teacher_targets(teacher, select, options.top_k, progress, "source on the select windows")
     seconds_per_token = (time.perf_counter() - timed) / select.numel()

@@ -70,7 +70,6 @@ def heal_args(args: list[str]):
     for flag, kind in (("--tokens", int), ("--lr", float), ("--lr-schedule", str), ("--written", int),
                        ("--window", int), ("--batch", int), ("--check-every", int), ("--top-k", int)):
         parser.add_argument(flag, type=kind)
-    parser.add_argument("--freeze-rope", action="store_true", default=None)
     given = {k: v for k, v in vars(parser.parse_args(args)).items() if v is not None}
     renamed = {"lr_schedule": "schedule", "written": "written_tokens"}
     return HealOptions(**{renamed.get(k, k): v for k, v in given.items()})

@@ -205,21 +205,3 @@ def test_an_observer_sees_the_start_and_every_check_and_changes_nothing(converte
     assert not torch.allclose(seen[-1][1], start, rtol=1e-3, atol=0)  # it saw the model as it trained
     observed, plain = tensors(tmp_path / "observed"), tensors(tmp_path / "plain")
     assert observed.keys() == plain.keys() and all(torch.equal(observed[n], plain[n]) for n in plain)
-
-
-def test_freezing_the_rotary_rows_keeps_them_and_trains_the_rest(converted, tmp_path):
-    """Kept to float rounding (a trained tensor is stored as scale ⊙ (W / scale)), moved elsewhere."""
-    src, folder, ids = converted
-    run_heal(src, folder, ids, tmp_path / "healed", freeze_rope=True)
-    config = json.loads((folder / "config.json").read_text())
-    nope, rope, rank = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["kv_lora_rank"]
-    old, new = tensors(folder), tensors(tmp_path / "healed")
-    for i in range(2):
-        q_old, q_new = (t[f"model.layers.{i}.self_attn.q_proj.weight"] for t in (old, new))
-        heads = q_old.shape[0] // (nope + rope)
-        q_old, q_new = q_old.view(heads, nope + rope, -1), q_new.view(heads, nope + rope, -1)
-        assert torch.allclose(q_new[:, nope:], q_old[:, nope:], rtol=1e-6, atol=0)
-        assert not torch.allclose(q_new[:, :nope], q_old[:, :nope], rtol=1e-3, atol=0)
-        kv_old, kv_new = (t[f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight"] for t in (old, new))
-        assert torch.allclose(kv_new[rank:], kv_old[rank:], rtol=1e-6, atol=0)
-        assert not torch.allclose(kv_new[:rank], kv_old[:rank], rtol=1e-3, atol=0)

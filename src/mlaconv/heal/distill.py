@@ -67,7 +67,6 @@ class HealOptions:
     seed: int = 0
     written_tokens: int | None = None  # tokens of text the source writes itself (``generate``), added to the training
     # windows (None: ``default_written``; 0: none)
-    freeze_rope: bool = False  # keep the rotary rows (each head's query RoPE rows, the shared RoPE key's) as converted
 
 
 @dataclass
@@ -127,33 +126,18 @@ def trained_modules(model) -> dict[str, torch.nn.Linear]:
     return modules
 
 
-def rope_rows(model, name: str) -> torch.Tensor | None:
-    """A bool mask of the rotary rows of the trained tensor ``name`` (``…self_attn.q_proj.weight`` and the like)."""
-    config = model.config
-    if name.endswith("q_proj.weight"):
-        head = torch.arange(config.qk_nope_head_dim + config.qk_rope_head_dim) >= config.qk_nope_head_dim
-        return head.repeat(config.num_attention_heads)
-    if name.endswith("kv_a_proj_with_mqa.weight"):
-        return torch.arange(config.kv_lora_rank + config.qk_rope_head_dim) >= config.kv_lora_rank
-    return None
-
-
-def make_trainable(model, freeze_rope: bool = False) -> list[torch.nn.Parameter]:
-    """Freeze ``model`` but for the trained tensors, each reparametrized by ``RowScale``, their rotary rows too with
-    ``freeze_rope`` (their gradient masked to 0, so Adam never moves them); return their parameters."""
+def make_trainable(model) -> list[torch.nn.Parameter]:
+    """Freeze ``model`` but for the trained tensors, each reparametrized by ``RowScale``; return their parameters."""
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     trained = []
-    for name, module in trained_modules(model).items():
+    for module in trained_modules(model).values():
         weight = module.weight.detach()
         scale = weight.pow(2).mean(1, keepdim=True).sqrt()
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         parametrize.register_parametrization(module, "weight", RowScale(scale))
         original = module.parametrizations.weight.original
         original.requires_grad_(True)
-        if freeze_rope and (rows := rope_rows(model, name)) is not None:
-            keep = (~rows).to(original.dtype).to(original.device)[:, None]
-            original.register_hook(lambda grad, keep=keep: grad * keep)
         trained.append(original)
     return trained
 
@@ -193,7 +177,7 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
     windows (the start included) is returned. ``observe(step, model)``, when given, runs at the start and at every
     check (a bench's own measurements; it must not change the model)."""
     started = time.perf_counter()
-    parameters = make_trainable(model, options.freeze_rope)
+    parameters = make_trainable(model)
     optimizer = torch.optim.Adam(parameters, lr=options.lr)
     falling = options.schedule == "linear"  # step s (from 1) runs at lr·(1 − (s − 1)/steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1 - done / steps if falling else 1.0)

@@ -22,9 +22,9 @@ class RecordingStreamer(SourceStreamer):
 
     advanced: list[int]
 
-    def advance(self, i, attention, converted=None, run=None):
+    def advance(self, i, attention, converted=None, run=None, kept=None):
         self.advanced.append(i)
-        super().advance(i, attention, converted, run)
+        super().advance(i, attention, converted, run, kept)
 
 
 def test_source_layers_are_every_layer_in_order_read_on_use():

@@ -11,6 +11,13 @@ The windows are split three ways (``calibration.windows.split_windows``; disjoin
 gradient steps; *select* windows make every choice (each layer's variant, the (r, R) split, the refinement's
 best step and whether it is kept); *audit* windows are only measured on: every per-layer figure of the report, and
 the whole-model comparison of the converted models with the source (``followed`` models, ``agreement``).
+
+With ``sequential`` the layer being converted is chosen and refined on the inputs that the converted layers before
+it produce (a second residual stream of every window, ``student``, moved through the converted attention that each
+layer keeps and the source MLP), towards the source's own outputs: "outputs" the source layer's attention output on
+the source's inputs, "residual" that plus the difference of the two streams, so that the layer also undoes what the
+layers before it lost. The statistics and the closed form stay the source's; the audit figures are still measured
+on the source's inputs.
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ class CalibrationOptions:
     batch_size: int = 4
     profile_windows: int = 16  # fit windows whose attention probabilities give the distance profile μ
     split: WindowSplit | None = None  # None: ``split_windows(B)``
+    sequential: str | None = None  # None, or one of SEQUENTIAL: what the refinement fits on the converted inputs
+
+
+SEQUENTIAL = ("outputs", "residual")
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,7 @@ class SourceStreamer:
         self._audit_metric: tuple[int, torch.Tensor] | None = None
         self._norm_moments: tuple[int, qk_norm.NormMoments] | None = None
         self.followed: dict[str, torch.Tensor] = {}  # converted models' residual streams on the audit windows
+        self.student = self.hidden.clone() if options.sequential else None  # [B, S, H]: the kept layers' stream
 
     @property
     def token_count(self) -> int:
@@ -118,9 +130,28 @@ class SourceStreamer:
         if i != self.next_layer:
             raise RuntimeError(f"calibration is at layer {self.next_layer}, asked for layer {i}")
 
-    def _normalized(self, windows: Sequence[int], weights: SourceAttention) -> NormalizedWindows:
-        return NormalizedWindows(self.hidden, torch.tensor(list(windows)), weights.input_norm, self.spec.rms_norm_eps,
+    def _normalized(self, windows: Sequence[int], weights: SourceAttention,
+                    stream: torch.Tensor | None = None) -> NormalizedWindows:
+        stream = self.hidden if stream is None else stream
+        return NormalizedWindows(stream, torch.tensor(list(windows)), weights.input_norm, self.spec.rms_norm_eps,
                                  self.device)
+
+    def _fitted(self, windows: Sequence[int], weights: SourceAttention) -> NormalizedWindows:
+        """The inputs a layer is chosen and refined on: the converted stream's with ``sequential``, else the source's."""
+        return self._normalized(windows, weights, self.student)
+
+    def _targets(self, windows: Sequence[int], x: torch.Tensor, weights: SourceAttention,
+                 angles: torch.Tensor) -> torch.Tensor:
+        """What a converted layer's output on the ``windows``' fitted inputs ``x`` [b, S, H] should be: the source
+        attention's output on x, or with ``sequential`` on the source's own inputs (plus, for "residual", the source
+        stream less the converted one)."""
+        if self.student is None:
+            return source_attention(x, weights, self.heads, angles)
+        y = source_attention(self._normalized(windows, weights)[:], weights, self.heads, angles)
+        if self.options.sequential == "residual":
+            rows = list(windows)
+            y += (self.hidden[rows] - self.student[rows]).to(self.device)
+        return y
 
     def stats(self, i: int, attention: SourceAttention) -> LayerStats:
         """Layer i's E[x xᵀ] [H, H] and attention profile μ [N, F], from the fit windows only.
@@ -178,7 +209,8 @@ class SourceStreamer:
                         rope_dim: int, slot_frequencies: torch.Tensor, residual_scale: float,
                         windows: str = "select") -> float:
         """‖MLA(x)/α − source(x)‖² / ‖source(x)‖² of layer i's attention output on the ``windows`` set
-        ("select" or "audit"), both on the source's own inputs to the layer.
+        ("select" or "audit"), both on the source's own inputs to the layer (with ``sequential``, on the select
+        windows: ‖MLA(x)/α − y‖² / ‖y‖² on the fitted inputs and their targets, ``held_pairs``).
 
         α is the residual rescale folded into the converted o_proj. The converted layer reads its own
         input γ'⊙ĥ (its input norm γ' is a per-channel multiple of the source's γ, zero where γ is).
@@ -214,9 +246,10 @@ class SourceStreamer:
         return {"select": self.split.select, "audit": self.split.audit}[windows]
 
     def held_pairs(self, i: int, attention: SourceAttention, windows: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The select or audit windows' normalised inputs and layer i's source attention outputs, [P, S, H]
-        each, computed once per layer (for the layer the streamer is at, whose weights ``attention`` must be):
-        every variant of the layer, and its refinement, are measured against the same outputs."""
+        """The select or audit windows' normalised inputs and layer i's source attention outputs (for the select
+        windows the fitted inputs and their ``_targets``), [P, S, H] each, computed once per layer (for the layer the
+        streamer is at, whose weights ``attention`` must be): every variant of the layer, and its refinement, are
+        measured against the same outputs."""
         indices = self._held_windows(windows)
         cached = self._pairs.get(windows)
         if cached is None or cached[0] != i:
@@ -225,36 +258,41 @@ class SourceStreamer:
             shape = (len(indices), *self.hidden.shape[1:])
             inputs = torch.empty(shape, dtype=torch.float32, device=self.device)
             outputs = torch.empty(shape, dtype=torch.float32, device=self.device)
+            fitted = self._fitted if windows == "select" else self._normalized  # the audit: the source's inputs
             with torch.no_grad():
                 for start in range(0, len(indices), self.options.batch_size):
                     batch = slice(start, start + self.options.batch_size)
-                    inputs[batch] = self._normalized(indices[batch], weights)[:]
-                    outputs[batch] = source_attention(inputs[batch], weights, self.heads, self.angles(attention))
+                    inputs[batch] = fitted(indices[batch], weights)[:]
+                    outputs[batch] = (self._targets(indices[batch], inputs[batch], weights, self.angles(attention))
+                                      if windows == "select" else
+                                      source_attention(inputs[batch], weights, self.heads, self.angles(attention)))
             self._pairs[windows] = cached = (i, inputs, outputs)
         return cached[1], cached[2]
 
     def refinement_data(self, i: int, attention: SourceAttention, windows: int):
-        """(x, source attention output) pairs [B, S, H] for refining layer i: the first ``windows`` fit
+        """(x, target) pairs [B, S, H] for refining layer i (``_fitted``, ``_targets``): the first ``windows`` fit
         windows to train on (x formed a batch at a time on a CPU, ``NormalizedWindows``), and the select windows to
         choose the best step on."""
         self._check_layer(i)
         weights = self._on_device(attention)
         b, angles = self.options.batch_size, self.angles(attention)
-        x = self._normalized(self.split.fit[:windows], weights)
+        trained = self.split.fit[:windows]
+        x = self._fitted(trained, weights)
         with torch.no_grad():
             if self.device.type != "cpu":  # formed a batch a step, the inputs would cross to the device every step
                 x = x[:]
-            y = torch.cat([source_attention(x[start:start + b], weights, self.heads, angles)
+            y = torch.cat([self._targets(trained[start:start + b], x[start:start + b], weights, angles)
                            for start in range(0, x.shape[0], b)])  # a batch at a time: the scores stay small
-        self._trained = (i, self.split.fit[:windows], y)  # ``advance`` adds them instead of computing them again
+        if self.student is None:  # ``advance`` adds them instead of computing them again
+            self._trained = (i, trained, y)
         return (x, y), self.held_pairs(i, attention, "select")
 
     def _known_outputs(self, i: int) -> dict[int, torch.Tensor]:
-        """Layer i's source attention outputs [S, H] already computed, by window: the held select and audit pairs
-        and the refinement's training windows."""
+        """Layer i's source attention outputs on the source's inputs [S, H] already computed, by window: the held
+        audit pairs, and but for ``sequential`` the select pairs and the refinement's training windows."""
         known: dict[int, torch.Tensor] = {}
         for windows, (layer, _, outputs) in self._pairs.items():
-            if layer == i:
+            if layer == i and (windows == "audit" or self.student is None):
                 known.update(zip(self._held_windows(windows), outputs))
         if self._trained is not None and self._trained[0] == i:
             known.update(zip(self._trained[1], self._trained[2]))
@@ -264,14 +302,17 @@ class SourceStreamer:
         return attention.cast(self.device, torch.float32)
 
     def advance(self, i: int, attention: SourceAttention, converted: dict[str, MLAAttention] | None = None,
-                run: MLARun | None = None) -> None:
-        """Move the hidden states through source layer i (attention + MLP): every layer is calibrated on
-        the source model's own activations.
+                run: MLARun | None = None, kept: MLAAttention | None = None) -> None:
+        """Move the hidden states through source layer i (attention + MLP): the statistics are the source model's
+        own activations'.
 
         ``converted`` names layer i of converted models (run as ``run`` says): each one's residual stream on
         the audit windows moves through that attention and the source MLP. A model named for the first time
-        starts from the stream of the first one named (at layer 0: from the embeddings).
+        starts from the stream of the first one named (at layer 0: from the embeddings). With ``sequential``,
+        ``kept`` is the converted layer i that the ``student`` stream moves through.
         """
+        if (self.student is None) != (kept is None):
+            raise RuntimeError("a sequential calibration advances with the layer it kept, and only it does")
         self._check_layer(i)
         converted = converted or {}
         for name in converted:
@@ -291,7 +332,7 @@ class SourceStreamer:
         attention = self._on_device(attention)
         mlp = self.weights.mlp(i, self.device, torch.float32)
         eps = self.spec.rms_norm_eps
-        angles = self._slot_angles(run) if converted else None
+        angles = self._slot_angles(run) if converted or kept is not None else None
         with torch.no_grad():
             for batch in self._batches(range(self.hidden.shape[0])):
                 h = self.hidden[batch].to(self.device)
@@ -300,8 +341,9 @@ class SourceStreamer:
                     x = rms_norm(h[missing], attention.input_norm, eps).float()
                     h[missing] += source_attention(x, attention, self.heads, self.angles(attention))
                 self.hidden[batch] = (h + mlp_block(h, mlp, eps)).cpu()
-            for name, layer in converted.items():
-                stream, mla = self.followed[name], self._mla_on_device(layer)
+            streams = [(self.followed[name], layer) for name, layer in converted.items()]
+            for stream, layer in streams + ([(self.student, kept)] if kept is not None else []):
+                mla = self._mla_on_device(layer)
                 for start in range(0, stream.shape[0], self.options.batch_size):
                     batch = slice(start, start + self.options.batch_size)
                     h = stream[batch].to(self.device)

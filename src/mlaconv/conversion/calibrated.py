@@ -52,16 +52,17 @@ def calibration_tokens(plan: Plan) -> torch.Tensor | None:
                                    plan.options.calib_tokens, plan.options.calib_window)
 
 
-def calibration_streamer(plan: Plan, tokens: torch.Tensor | None = None,
-                         split: WindowSplit | None = None) -> SourceStreamer | None:
+def calibration_streamer(plan: Plan, tokens: torch.Tensor | None = None, split: WindowSplit | None = None,
+                         sequential: str | None = None) -> SourceStreamer | None:
     """The layer-by-layer source forward over the calibration windows (loaded unless given), when calibration
-    was asked for; ``split`` defaults to ``split_windows`` of all of them."""
+    was asked for; ``split`` defaults to ``split_windows`` of all of them; ``sequential`` as ``CalibrationOptions``'."""
     tokens = tokens if tokens is not None else calibration_tokens(plan)
     if tokens is None:
         return None
     options = plan.options
     return SourceStreamer(plan.reader, plan.spec, CalibrationOptions(tokens, options.calibration_device,
-                                                                     options.calib_batch_size, split=split))
+                                                                     options.calib_batch_size, split=split,
+                                                                     sequential=sequential))
 
 
 def calibrated_layer_options(layer: LayerOptions) -> LayerOptions:
@@ -323,7 +324,7 @@ class CalibratedPipeline(Pipeline):
         tokens, self.shape_search = calibration_tokens(plan), None
         if plan.options.kv_keep is not None and plan.options.rope_dim is None:
             plan, self.shape_search = search_shapes(plan, tokens, progress)
-        self.streamer = calibration_streamer(plan, tokens)
+        self.streamer = calibration_streamer(plan, tokens, sequential=plan.options.calib_sequential)
         self.refinement = refinement_plan(plan, self.streamer)
         super().__init__(with_rope_stride(plan, progress))
         self.step = CalibratedSteps(self.plan, self.streamer, self.refinement)
@@ -346,6 +347,8 @@ class CalibratedSteps(LayerStep):
     def __call__(self, source: SourceLayer) -> dict[str, MLAAttention]:
         layer = calibrate_layer(source, self.plan, self.plan.options.layer_search, self.refinement)
         source.follow, source.run = followed_models(layer, self.streamer.followed), self.run
+        if self.streamer.student is not None:
+            source.kept = layer.refined if layer.refined is not None else layer.closed
         self.records.append(layer.record)
         return {CLOSED: layer.closed} if layer.refined is None else {CLOSED: layer.closed, REFINED: layer.refined}
 

@@ -102,6 +102,9 @@ class ConvertOptions:
                                             "steps of 8 windows on CUDA, or on a CPU where that is estimated under 30 "
                                             "min; else as many steps of 1 window as fit in 30 min, at least 25; 0 = "
                                             "closed form only).", int, spectra=True)
+    calib_sequential: str | None = option(None, "Choose and refine each layer on the inputs the converted layers before "
+                                                "it produce, towards the source's attention outputs (outputs) or its "
+                                                "residual stream (residual); default off.", str, recipe=(str,))
     refine_tokens: int = 48 * 2048  # the fit windows those steps train on hold at most this many tokens: every fit
     # window of the default calibration and of the recipes' 64 × 2048; the cap bounds the source outputs held for
     # them (tokens·H·4 bytes). More training windows measured better on the audit windows (bench/refine/README.md, issue 16)

@@ -37,6 +37,7 @@ class SourceLayer:
     streamer: SourceStreamer | None = None
     follow: dict[str, MLAAttention] = field(default_factory=dict)  # converted models' layer i, for the audit
     run: MLARun | None = None  # how the followed layers run
+    kept: MLAAttention | None = None  # the converted layer a sequential calibration's inputs move through
     _attention: SourceAttention | None = None
     _stats: LayerStats | None = None
     _linear: SourceAttention | None = None
@@ -109,4 +110,4 @@ def source_layers(reader: CheckpointReader, spec: SourceSpec, streamer: SourceSt
         layer = SourceLayer(i, weights, streamer)
         yield layer
         if streamer is not None:
-            streamer.advance(i, layer.attention, layer.follow or None, layer.run)
+            streamer.advance(i, layer.attention, layer.follow or None, layer.run, layer.kept)

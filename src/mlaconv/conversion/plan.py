@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from mlaconv.calibration.streamer import SEQUENTIAL
 from mlaconv.calibration.windows import CalibrationData
 from mlaconv.conversion.options import ConvertOptions, Recipe
 from mlaconv.conversion.pipeline import source_layers
@@ -278,6 +279,9 @@ def plan_conversion(source: str, options: ConvertOptions, every_rank: bool = Fal
     if options.heal_window is not None and not 2 <= options.heal_window <= options.calib_window:
         raise MlaconvError(f"--heal-window must be between 2 and --calib-window ({options.calib_window}), "
                            f"got {options.heal_window}")
+    if options.calib_sequential is not None and options.calib_sequential not in SEQUENTIAL:
+        raise MlaconvError(f"--calib-sequential must be one of {', '.join(SEQUENTIAL)}, "
+                           f"got {options.calib_sequential!r}")
     if options.refine_steps is not None and options.refine_steps < 0:
         raise MlaconvError(f"--refine-steps must be ≥ 0, got {options.refine_steps}")
     if options.refine_batch < 1 or options.refine_check_every < 1:

@@ -360,3 +360,50 @@ def test_kv_keep_split_is_chosen_by_measured_error(tiny_model, tmp_path):
     assert (report.kv_lora_rank, report.qk_rope_head_dim) == (best.kv_lora_rank, best.qk_rope_head_dim)
     assert "least mean attention error" in report.shape_choice
 
+
+
+@pytest.mark.parametrize("sequential", ["outputs", "residual"])
+def test_a_sequential_calibration_refines_each_layer_on_the_written_models_own_inputs(stories, stories_samples,
+                                                                                     tmp_path, monkeypatch, sequential):
+    """With --calib-sequential, the refinement of layer i trains on the activations that the converted layers before
+    it produce: those of the written model as transformers runs it (hidden_states[i], normalised by the source's
+    input norm), and aims at the source's attention output on the source's own inputs (plus, for "residual", the
+    source's residual stream less the converted one), both computed here in plain PyTorch."""
+    import mlaconv.calibration.streamer as calibrate
+    from transformers import AutoModelForCausalLM
+
+    write_tokens(tmp_path / "calib.jsonl", stories_samples[:32])
+    seen = {}
+    refinement_data = calibrate.SourceStreamer.refinement_data
+
+    def recording(self, i, attention, windows):
+        (x, y), select = refinement_data(self, i, attention, windows)
+        seen[i] = (self.options.tokens[list(self.split.fit[:windows])], x[:].clone(), y.clone(), attention,
+                   self.hidden[list(self.split.fit[:windows])].clone())
+        return (x, y), select
+
+    monkeypatch.setattr(calibrate.SourceStreamer, "refinement_data", recording)
+    report = convert(str(stories), tmp_path / "out", ConvertOptions(
+        rank=16, verify=False, calib=[str(tmp_path / "calib.jsonl")], calib_window=96, refine_steps=20, heal_tokens=0,
+        calib_sequential=sequential))
+    assert report.calibration.whole_model.written == "refined" and report.calibration.sequential == sequential
+    spec = SourceSpec.from_config(read_config(stories))
+    converted = load_causal_lm(tmp_path / "out")
+    source = AutoModelForCausalLM.from_pretrained(stories)
+    assert sorted(seen) == list(range(spec.num_layers))
+    alpha = (1e-6 / spec.rms_norm_eps) ** 0.5  # the converted model's ε is DeepSeek's
+    for i, (ids, x, y, attention, source_stream) in seen.items():
+        with torch.no_grad():
+            theirs = converted(ids, output_hidden_states=True).hidden_states[i] / alpha  # its stream is α× the source's
+            source_hidden = source(ids, output_hidden_states=True).hidden_states[i]
+            source_output = source.model.layers[i].self_attn(
+                source.model.layers[i].input_layernorm(source_hidden),
+                position_embeddings=source.model.rotary_emb(source_hidden, torch.arange(ids.shape[1])[None]),
+                attention_mask=torch.full((ids.shape[1],) * 2, -torch.inf).triu(1)[None, None])[0]
+        expected = rms_norm(theirs, attention.input_norm, spec.rms_norm_eps)
+        assert torch.allclose(x, expected, rtol=0, atol=1e-4 * expected.abs().max().item()), i
+        assert torch.allclose(source_stream, source_hidden, rtol=0, atol=1e-4 * source_hidden.abs().max().item())
+        target = source_output + (source_hidden - theirs if sequential == "residual" else 0)
+        assert torch.allclose(y, target, rtol=0, atol=1e-4 * target.abs().max().item()), i
+        if i > 0:  # the converted inputs are not the source's after the first layer
+            assert not torch.allclose(theirs, source_hidden, rtol=0, atol=1e-2 * source_hidden.abs().max().item())

@@ -137,6 +137,7 @@ def test_the_output_size_estimate_is_what_convert_writes(tiny_model, tmp_path):
     ({"rank": 24, "rope_dim": 8, "rope_stride": 3}, "--rope-stride 3 does not fit 8 rope dims"),
     ({"rank": 24, "calib_tokens": 0}, "--calib-tokens must be positive"),
     ({"rank": 24, "refine_steps": -1}, "--refine-steps must be ≥ 0"),
+    ({"rank": 24, "calib_sequential": "inputs"}, "--calib-sequential must be one of outputs, residual"),
     ({"rank": 24, "refine_batch": 0}, "must be ≥ 1"),
     ({"rank": 24, "target": "nowhere"}, "nowhere"),
     ({"rank": 24, "eval_text": "/no/such/file.txt"}, "evaluation file not found"),

@@ -400,7 +400,7 @@ def calibration_report(streamer: SourceStreamer, refinement: RefinementPlan, lay
         windows=windows, window=window, tokens=streamer.token_count, window_sets=window_sets(split),
         refine_steps=refinement.steps, refine_batch=refinement.batch, refine_queries=refinement.queries,
         refine_windows=refinement.train_windows if refinement.steps else None,
-        refinement=refinement.note,
+        refinement=refinement.note, sequential=streamer.options.sequential,
         selection=[layer.selection for layer in layers],
         closed_form=layer_figures([layer.closed for layer in layers]),
         refined=layer_figures([layer.refined for layer in layers]),

@@ -135,6 +135,7 @@ class Calibration(Record):
     whole_model: WholeModel
     refine_queries: int | None = optional()  # positions of each window a step's error is taken at (None: all)
     refine_windows: int | None = optional()  # fit windows the steps draw from (when steps run)
+    sequential: str | None = optional()  # --calib-sequential: what each layer was chosen and refined towards
 
 
 @dataclass

@@ -63,7 +63,8 @@ class ConvertOptions:
     rank: int | None = option(None, "Latent rank r (kv_lora_rank).", int, names=("--rank", "-r"), recipe=(int,))
     kv_keep: float | None = option(None, "Fraction of the source KV cache to keep, in (0, 1]; picks r and R.", float,
                                    recipe=(float, int), spectra=True)
-    rope_dim: int | None = option(None, "Shared RoPE key dims R (qk_rope_head_dim); default min(64, head_dim).", int,
+    rope_dim: int | None = option(None, "Shared RoPE key dims R (qk_rope_head_dim); default min(64, the rotary "
+                                        "dims), with --kv-keep at most half the budget.", int,
                                   recipe=(int,), spectra=True)
     rope_stride: int | None = option(None, "Keep source frequencies 0, s, 2s, … (default: chosen from the weights).",
                                      int, recipe=(int,), spectra=True)
@@ -100,8 +101,8 @@ class ConvertOptions:
     refine_steps: int | None = option(None, "With calibration: gradient steps per layer on its measured attention "
                                             "error, kept only if it measures better on held-out windows (default: 150 "
                                             "steps of 8 windows on CUDA, or on a CPU where that is estimated under 30 "
-                                            "min; else as many steps of 1 window as fit in 30 min, at least 25; 0 = "
-                                            "closed form only).", int, spectra=True)
+                                            "min; else as many steps of 1 window as fit in 30 min, at least 25, else "
+                                            "none; 0 = closed form only).", int, spectra=True)
     calib_sequential: str | None = option(None, "Choose and refine each layer on the inputs the converted layers before "
                                                 "it produce, towards the source's attention outputs (outputs) or its "
                                                 "residual stream (residual); default off.", str, recipe=(str,))

@@ -282,6 +282,9 @@ def plan_conversion(source: str, options: ConvertOptions, every_rank: bool = Fal
     if options.calib_sequential is not None and options.calib_sequential not in SEQUENTIAL:
         raise MlaconvError(f"--calib-sequential must be one of {', '.join(SEQUENTIAL)}, "
                            f"got {options.calib_sequential!r}")
+    if options.calib_sequential is not None and calibration is None:
+        raise MlaconvError("--calib-sequential chooses and refines the layers on calibration data: give --calib "
+                           "(or drop --weights-only)")
     if options.refine_steps is not None and options.refine_steps < 0:
         raise MlaconvError(f"--refine-steps must be ≥ 0, got {options.refine_steps}")
     if options.refine_batch < 1 or options.refine_check_every < 1:

@@ -41,8 +41,13 @@ def blocks(text: str, share: int, block: int) -> list[str]:
     return pieces
 
 
+def block_size(share: int) -> int:
+    """A source's block, in proportion to its share (``BLOCK`` for a share of 100,000)."""
+    return BLOCK * share // 100_000
+
+
 def compose(raw: Path) -> str:
-    queues = [blocks(raw.joinpath(name).read_text(encoding="utf-8"), share, BLOCK * share // 100_000)
+    queues = [blocks(raw.joinpath(name).read_text(encoding="utf-8"), share, block_size(share))
               for name, share in SOURCES.items()]
     out = []
     while any(queues):
@@ -60,7 +65,7 @@ def unpack(text: str, raw: Path) -> None:
         for name, share in SOURCES.items():
             if start >= len(body) or taken[name] >= share:
                 continue
-            end = body.find("\n\n", start + BLOCK * share // 100_000)
+            end = body.find("\n\n", start + block_size(share))
             end = len(body) if end < 0 else end
             pieces[name].append(body[start:end])
             taken[name] += end + 2 - start

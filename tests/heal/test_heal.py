@@ -205,28 +205,3 @@ def test_an_observer_sees_the_start_and_every_check_and_changes_nothing(converte
     assert not torch.allclose(seen[-1][1], start, rtol=1e-3, atol=0)  # it saw the model as it trained
     observed, plain = tensors(tmp_path / "observed"), tensors(tmp_path / "plain")
     assert observed.keys() == plain.keys() and all(torch.equal(observed[n], plain[n]) for n in plain)
-
-
-def test_the_matched_streams_are_the_converted_models_own(tiny_model, tmp_path):
-    """With the residual stream rescaled (ε 1e-5 → 1e-6), the source's streams times the rescale are the exactly
-    converted model's streams (plain PyTorch in the test): ``hidden_error`` ≈ 0 with the scale, far from it without."""
-    from mlaconv.heal.distill import hidden_error, matched_layers, teacher_targets
-    from mlaconv.io.models import load_causal_lm
-
-    src = tiny_model(heads=4, kv_heads=1, head_dim=16, layers=4, eps=1e-5)
-    report = convert(str(src), tmp_path / "exact", ConvertOptions(rank=16, rope_dim=16, weights_only=True))
-    assert report.residual_scale == pytest.approx(0.1 ** 0.5)
-    windows = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
-    layers = matched_layers(4)
-    assert layers == (1, 2, 3)
-    source, converted = load_causal_lm(src, torch.float32), load_causal_lm(tmp_path / "exact", torch.float32)
-    scaled = teacher_targets(source, windows, 8, layers=layers, scale=report.residual_scale)
-    plain = teacher_targets(source, windows, 8, layers=layers)
-    with torch.no_grad():
-        states = converted(windows, output_hidden_states=True).hidden_states
-    for k in range(2):
-        ours = torch.stack([states[i][k] for i in layers], 1)  # [S, n, H]
-        expected = ((ours - plain.hidden[k].float()).pow(2).sum(-1) / plain.hidden[k].float().pow(2).sum(-1)).sum()
-        assert hidden_error(ours, plain.hidden[k]).item() == pytest.approx(expected.item(), rel=1e-5)
-        assert hidden_error(ours, scaled.hidden[k]).item() / ours[..., 0].numel() < 1e-4
-        assert hidden_error(ours, plain.hidden[k]).item() / ours[..., 0].numel() > 0.3

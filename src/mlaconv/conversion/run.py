@@ -151,8 +151,7 @@ def _heal(converted: Path, plan: Plan, progress: Progress):
                                window=window, batch=max(1, STEP_TOKENS // window), device=options.calibration_device,
                                written_tokens=options.heal_written,
                                schedule=options.heal_lr_schedule or DEFAULT_SCHEDULE)
-    return heal_folder(converted, converted, plan.folder, data, heal_options, plan.shapes.rank, options.delta, progress,
-                       residual_scale=plan.layer.residual_scale)
+    return heal_folder(converted, converted, plan.folder, data, heal_options, plan.shapes.rank, options.delta, progress)
 
 
 def _retrieval(converted: Path, out: Path, plan: Plan, progress: Progress):

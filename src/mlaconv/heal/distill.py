@@ -47,8 +47,6 @@ CUDA_TOKENS = 2**21  # a GPU's default budget
 MAX_EPOCHS = 4  # the default budget's passes over the training windows, at most
 WRITTEN_TOKENS = 2**16  # the default text the source writes itself, at most as many tokens as the calibration text
 # healing trains on (development texts, bench/real/README.md: mean KL 0.186 → 0.182 on SmolLM2-135M at 50%)
-HIDDEN_LAYERS = 3  # residual streams matched when HealOptions.hidden > 0: after a quarter, half, three quarters of
-# the layers
 STEP_COST = 3.5  # one training token costs about this many source forward tokens (forward, backward, the update)
 
 
@@ -69,7 +67,6 @@ class HealOptions:
     seed: int = 0
     written_tokens: int | None = None  # tokens of text the source writes itself (``generate``), added to the training
     # windows (None: ``default_written``; 0: none)
-    hidden: float = 0.0  # weight of the residual streams' relative error (``hidden_error``) beside the KL; 0: none
 
 
 @dataclass
@@ -78,31 +75,20 @@ class Targets:
 
     logp: torch.Tensor  # [W, S, k] float32
     ids: torch.Tensor  # [W, S, k] int64
-    hidden: torch.Tensor | None = None  # [W, S, n, H] bfloat16: the residual stream at ``layers``' hidden states
-    layers: tuple[int, ...] = ()  # indices into the model's ``hidden_states`` (0: the embeddings)
-
-
-def matched_layers(num_layers: int) -> tuple[int, ...]:
-    """The ``hidden_states`` indices whose residual streams healing matches: HIDDEN_LAYERS evenly inside the model."""
-    return tuple(num_layers * k // (HIDDEN_LAYERS + 1) for k in range(1, HIDDEN_LAYERS + 1))
 
 
 def teacher_targets(model, windows: torch.Tensor, top_k: int, progress: Progress = no_progress,
-                    label: str = "source distributions", layers: tuple[int, ...] = (), scale: float = 1.0) -> Targets:
-    """The top-k log-probabilities of ``model`` at every position of ``windows`` [W, S], one window at a time, and
-    its residual stream at ``layers`` (indices into ``hidden_states``) when given, times ``scale`` (the conversion's
-    residual rescale, so that it is the converted model's stream that matches)."""
-    logp, ids, hidden = [], [], []
+                    label: str = "source distributions") -> Targets:
+    """The top-k log-probabilities of ``model`` at every position of ``windows`` [W, S], one window at a time."""
+    logp, ids = [], []
     device = next(model.parameters()).device
     with torch.inference_mode():
         for window in progress(windows, label, len(windows)):
-            out = model(window[None].to(device), use_cache=False, output_hidden_states=bool(layers))
-            values, indices = out.logits[0].float().log_softmax(-1).topk(top_k, dim=-1)
+            scores = model(window[None].to(device), use_cache=False).logits[0].float().log_softmax(-1)
+            values, indices = scores.topk(top_k, dim=-1)
             logp.append(values.cpu())
             ids.append(indices.cpu())
-            if layers:
-                hidden.append((scale * torch.stack([out.hidden_states[i][0] for i in layers], 1)).to(torch.bfloat16).cpu())
-    return Targets(torch.stack(logp), torch.stack(ids), torch.stack(hidden) if layers else None, layers)
+    return Targets(torch.stack(logp), torch.stack(ids))
 
 
 def sparse_kl(logits: torch.Tensor, logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -115,15 +101,6 @@ def sparse_kl(logits: torch.Tensor, logp: torch.Tensor, ids: torch.Tensor) -> to
     rest_p = (1 - p.sum(-1)).clamp_min(1e-12)
     rest_q = (1 - model_logp.exp().sum(-1)).clamp_min(1e-12)
     return ((p * (logp - model_logp)).sum(-1) + rest_p * (rest_p.log() - rest_q.log())).sum()
-
-
-def hidden_error(states: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Σ over positions and layers of the residual stream's squared error relative to the source's, ‖h − h*‖² / ‖h*‖²
-    (per token, so that the few tokens of huge norm weigh as much as any other).
-
-    states [S, n, H] of the model; target [S, n, H] of the source."""
-    target = target.float()
-    return ((states - target).pow(2).sum(-1) / target.pow(2).sum(-1).clamp_min(1e-12)).sum()
 
 
 class RowScale(torch.nn.Module):
@@ -219,11 +196,8 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
             if not order:
                 order = torch.randperm(len(train_windows), generator=generator).tolist()
             k = order.pop()
-            out = model(train_windows[k][None].to(device), use_cache=False, output_hidden_states=options.hidden > 0)
-            loss = sparse_kl(out.logits[0], train_targets.logp[k].to(device), train_targets.ids[k].to(device))
-            if options.hidden > 0:
-                states = torch.stack([out.hidden_states[i][0] for i in train_targets.layers], 1)
-                loss = loss + options.hidden * hidden_error(states, train_targets.hidden[k].to(device))
+            logits = model(train_windows[k][None].to(device), use_cache=False).logits[0]
+            loss = sparse_kl(logits, train_targets.logp[k].to(device), train_targets.ids[k].to(device))
             (loss / (options.batch * train_windows.shape[1])).backward()
             tokens += train_windows.shape[1]
         optimizer.step()
@@ -267,8 +241,6 @@ def check_options(options: HealOptions) -> None:
         raise MlaconvError(f"--written must be ≥ 0, got {options.written_tokens}")
     if options.window < 2 or options.batch < 1 or options.top_k < 1 or options.check_every < 1:
         raise MlaconvError("--window must be ≥ 2 and --batch, --top-k and --check-every ≥ 1")
-    if not (options.hidden >= 0 and math.isfinite(options.hidden)):
-        raise MlaconvError(f"--hidden must be ≥ 0, got {options.hidden}")
     if not (0 < options.lr < 1) or not math.isfinite(options.lr):
         raise MlaconvError(f"--lr must be in (0, 1), got {options.lr}")
     if options.schedule not in SCHEDULES:

@@ -17,7 +17,7 @@ import torch
 from mlaconv.calibration.windows import CalibrationData, cut_windows, drawn_windows, split_windows
 from mlaconv.errors import MlaconvError
 from mlaconv.heal.distill import (HELD_WINDOWS, STEP_COST, TRAINED, HealOptions, Observer, check_options,
-                                  default_tokens, default_written, matched_layers, teacher_targets, train)
+                                  default_tokens, default_written, teacher_targets, train)
 from mlaconv.heal.generate import written_windows
 from mlaconv.io import atomic_output_dir, check_output_target
 from mlaconv.io.models import load_causal_lm
@@ -89,7 +89,7 @@ def heal(folder: str | Path, source: str, out: str | Path, data: CalibrationData
     windows = split_data(source_folder, spec, data, options)
     with atomic_output_dir(out, force=force) as tmp:
         result = heal_folder(folder, tmp, source_folder, windows, options, report.kv_lora_rank,
-                             report.latent_norm.delta or DEFAULT_DELTA, progress, observe, report.residual_scale)
+                             report.latent_norm.delta or DEFAULT_DELTA, progress, observe)
         result.seconds = round(time.perf_counter() - started, 1)
         _update_report(tmp, out, source_folder, spec, report, result)
     return result
@@ -114,10 +114,8 @@ def trained_windows(data: int, written: int, needed: int, seed: int) -> tuple[li
 
 
 def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options: HealOptions, rank: int,
-                delta: float, progress: Progress = no_progress, observe: Observer | None = None,
-                residual_scale: float = 1.0) -> HealReport:
-    """Heal the converted checkpoint in ``folder`` (latent rank ``rank``, tiny-latent bound ``delta``, residual stream
-    ``residual_scale`` times the source's) towards
+                delta: float, progress: Progress = no_progress, observe: Observer | None = None) -> HealReport:
+    """Heal the converted checkpoint in ``folder`` (latent rank ``rank``, tiny-latent bound ``delta``) towards
     ``source`` into the folder ``into`` (``folder`` itself: its shards rewritten in place), on ``data``'s windows cut
     into ``options.window``-token chunks (shorter when its windows are)."""
     started = time.perf_counter()
@@ -139,9 +137,8 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     select_targets = teacher_targets(teacher, select, options.top_k, progress, "source on the select windows")
     seconds_per_token = (time.perf_counter() - timed) / select.numel()
     estimate = seconds_per_token * window * (len(train_ids) + steps * options.batch * STEP_COST)
-    layers = matched_layers(teacher.config.num_hidden_layers) if options.hidden > 0 else ()
     train_targets = teacher_targets(teacher, train_pool[train_ids], options.top_k, progress,
-                                    "source on the training windows", layers, residual_scale)
+                                    "source on the training windows")
     del teacher
 
     before = _held_out_figures(folder, source, held, progress)

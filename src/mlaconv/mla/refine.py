@@ -1,12 +1,12 @@
 """Layer-wise refinement: gradient steps on one converted layer's attention-output error.
 
-The closed-form conversion optimises proxies (K/V reconstruction, rotation left unrotated). What the
-model sees is the attention output, a nonlinear function of all the factors at once. Starting from
-the closed form, Adam steps (150 by default; on a slow CPU fewer, of one window) on
-‖MLA(x) − source(x)‖² / ‖source(x)‖² over calibration windows move the factors (queries, down- and
-up-projections, the shared RoPE key) towards what the attention actually needs; W_o and the biases stay fixed. The steps train on the calibration's fit
-windows; the best step is chosen, and kept only if it beats the closed form, on its select windows (never
-the ones that train it). Shapes: x [B, S, H]; N heads, n_kv KV heads, d, R, r.
+The closed-form conversion optimises proxies (K/V reconstruction, rotation left unrotated). What the model
+sees is the attention output, a nonlinear function of all the factors at once. Starting from the closed form,
+Adam steps (150 by default; on a slow CPU fewer, of one window) on ‖MLA(x) − source(x)‖² / ‖source(x)‖² over
+calibration windows move the factors (queries, down- and up-projections, the shared RoPE key) towards what the
+attention actually needs; W_o and the biases stay fixed. The steps train on the calibration's fit windows; the
+best step is chosen, and kept only if it beats the closed form, on its select windows (never the ones that
+train it). Shapes: x [B, S, H]; N heads, n_kv KV heads, d, R, r.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ def convert(out: Path, args: list[str]) -> tuple[dict, float, float]:
 
 
 CURVE_WINDOWS = 4  # windows of 1,024 of each development text measured at every healing check
+CURVE_TOP_K = 64  # the source's top-k they are measured against, whatever --top-k healing trains with
 
 
 def heal_args(args: list[str]):
@@ -77,9 +78,9 @@ def heal_args(args: list[str]):
 
 def run_heal(out: Path, base: Path, args: list[str]) -> tuple[dict, float, float, list[dict]]:
     """``mlaconv heal BASE --source SOURCE --out OUT ARGS`` in this process (the bundled general text, as the CLI
-    heals by default), with the development texts' sparse KL (``CURVE_WINDOWS`` windows of each, the source's top-k)
-    measured at the start and at every check → the healed folder's report, wall and CPU seconds (the curve's own
-    measurements left out) and the curve."""
+    heals by default), with the development texts' sparse KL (``CURVE_WINDOWS`` windows of each, the source's top
+    ``CURVE_TOP_K``) measured at the start and at every check → the healed folder's report, wall and CPU seconds (the
+    curve's own measurements left out) and the curve."""
     import torch
 
     from mlaconv.conversion.plan import GENERAL_TEXT, GENERAL_TEXT_DESCRIPTION
@@ -97,7 +98,7 @@ def run_heal(out: Path, base: Path, args: list[str]) -> tuple[dict, float, float
     for name, text in TEXTS.items():
         tokens = load_eval_tokens(TokenSource(text=text), [SOURCE])
         windows = torch.stack(cut_windows(tokens.sequences, DEV_WINDOW)[:CURVE_WINDOWS])
-        dev[name] = (windows, teacher_targets(teacher, windows, options.top_k))
+        dev[name] = (windows, teacher_targets(teacher, windows, CURVE_TOP_K))
     del teacher
     curve, spent = [], 0.0
 

@@ -8,8 +8,9 @@ input norm's power-of-two scale, only rescale what these tensors already do).
 
 The source's distributions are computed once per window before training (``teacher_targets``: its top-k
 log-probabilities and the rest of its mass as one bucket), so the source is never in memory with the model being
-trained. Each trained tensor is a fixed per-row scale times a trained matrix (``RowScale``), so Adam's steps are
-relative to each row's size: the tiny latent's rows and the query's rows, 10⁶ apart, move alike.
+trained. Each trained tensor is a fixed per-row scale times its converted rows plus a trained change
+(``RowScale``), so Adam's steps are relative to each row's size: the tiny latent's rows and the query's rows, 10⁶ apart, move alike. ``anchor`` decays
+the change towards 0 at every step (decoupled, as AdamW's weight decay), keeping the model near the conversion's.
 
 The windows of the calibration data are split three ways: *train* (the gradient steps), *select* (the best step,
 measured every ``check_every`` steps, is the one kept) and *held out* (measured before and after healing through
@@ -67,6 +68,7 @@ class HealOptions:
     seed: int = 0
     written_tokens: int | None = None  # tokens of text the source writes itself (``generate``), added to the training
     # windows (None: ``default_written``; 0: none)
+    anchor: float = 0.0  # decay of the change towards the converted weights: × (1 − step · anchor) per step
 
 
 @dataclass
@@ -104,17 +106,20 @@ def sparse_kl(logits: torch.Tensor, logp: torch.Tensor, ids: torch.Tensor) -> to
 
 
 class RowScale(torch.nn.Module):
-    """W = scale ⊙ P with a fixed per-row scale: the parametrization that makes Adam's steps relative per row."""
+    """W = scale ⊙ (W₀ / scale + D), D trained from 0, with a fixed per-row scale: the parametrization that makes
+    Adam's steps relative per row and the change D from the converted weights W₀ its own tensor."""
 
-    def __init__(self, scale: torch.Tensor):
+    def __init__(self, weight: torch.Tensor):
         super().__init__()
-        self.register_buffer("scale", scale)
+        scale = weight.pow(2).mean(1, keepdim=True).sqrt()
+        self.register_buffer("scale", torch.where(scale > 0, scale, torch.ones_like(scale)))
+        self.register_buffer("start", weight / self.scale)
 
-    def forward(self, trained: torch.Tensor) -> torch.Tensor:
-        return trained * self.scale
+    def forward(self, change: torch.Tensor) -> torch.Tensor:
+        return (self.start + change) * self.scale
 
     def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight / self.scale
+        return weight / self.scale - self.start
 
 
 def trained_modules(model) -> dict[str, torch.nn.Linear]:
@@ -132,10 +137,7 @@ def make_trainable(model) -> list[torch.nn.Parameter]:
         parameter.requires_grad_(False)
     trained = []
     for module in trained_modules(model).values():
-        weight = module.weight.detach()
-        scale = weight.pow(2).mean(1, keepdim=True).sqrt()
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        parametrize.register_parametrization(module, "weight", RowScale(scale))
+        parametrize.register_parametrization(module, "weight", RowScale(module.weight.detach().clone()))
         original = module.parametrizations.weight.original
         original.requires_grad_(True)
         trained.append(original)
@@ -201,6 +203,10 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
             (loss / (options.batch * train_windows.shape[1])).backward()
             tokens += train_windows.shape[1]
         optimizer.step()
+        if options.anchor:
+            with torch.no_grad():
+                for change in parameters:
+                    change.mul_(1 - schedule.get_last_lr()[0] * options.anchor)
         schedule.step()
         if step % options.check_every == 0 or step == steps:
             measured = mean_kl(model, select_windows, select_targets)
@@ -243,5 +249,7 @@ def check_options(options: HealOptions) -> None:
         raise MlaconvError("--window must be ≥ 2 and --batch, --top-k and --check-every ≥ 1")
     if not (0 < options.lr < 1) or not math.isfinite(options.lr):
         raise MlaconvError(f"--lr must be in (0, 1), got {options.lr}")
+    if not (0 <= options.anchor * options.lr < 1) or not math.isfinite(options.anchor):
+        raise MlaconvError(f"--anchor must be ≥ 0 and --anchor × --lr < 1, got {options.anchor} × {options.lr}")
     if options.schedule not in SCHEDULES:
         raise MlaconvError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {options.schedule!r}")

@@ -5,7 +5,8 @@ hour here. A probe heals an earlier row's folder for a few steps (``--tokens``, 
 the options after ``--``, records the development texts' KL at every check (``dev_curve``, the same measurement as
 a row's) and healing's own select and held-out figures, with ``--passkey LENGTH`` the healed model's passkey
 retrieval at that length (10 trials, seed 0: the prompts every retrieval result of this bench uses; the source's
-own answers are in ``retrieval-smollm2-135m-source.json``), and keeps nothing else: the healed folder goes to a
+own answers are in ``retrieval-smollm2-135m-source.json``; ``--passkey-trials 20 --passkey-seed 1``: fresh prompts,
+to confirm what seed 0 suggested), and keeps nothing else: the healed folder goes to a
 temporary directory and no report text is read. Probes of one option against another are compared at equal steps;
 what they show decides which full row is worth running. Rows in ``bench/results/real-heal-probes.json`` (keyed by
 name; a rerun replaces its row).
@@ -45,15 +46,16 @@ NOTES = ("The development texts' sparse KL (4 windows of 1,024 of each, the sour
          "fifth). Nothing here reads WikiText-2 or *Moby Dick*.")
 
 
-def probe(name: str, base: str, args: list[str], passkey: int | None = None) -> dict:
+def probe(name: str, base: str, args: list[str], passkey: int | None = None, trials: int = 10, seed: int = 0) -> dict:
     folder = WORK / "real" / base
     if not (folder / "config.json").is_file():
         raise SystemExit(f"no converted folder {folder}: run python -m bench.real.fidelity --name {base} first")
     with tempfile.TemporaryDirectory() as scratch:
         report, wall, _, curve = run_heal(Path(scratch) / "healed", folder, args)
         retrieval = None if passkey is None else evaluate_retrieval(
-            Path(scratch) / "healed", lengths=[passkey], progress=LineProgress(sys.stderr, 60)).lengths[0].to_json()
-    return probe_row(name, base, args, report["heal"], wall, curve, retrieval)
+            Path(scratch) / "healed", lengths=[passkey], trials=trials, seed=seed,
+            progress=LineProgress(sys.stderr, 60)).lengths[0].to_json()
+    return probe_row(name, base, args, report["heal"], wall, curve, retrieval, seed)
 
 
 def passkey_text(retrieval: dict) -> str:
@@ -64,11 +66,17 @@ def passkey_text(retrieval: dict) -> str:
 
 
 def probe_row(name: str, base: str, args: list[str], heal: dict, wall: float, curve: list[dict],
-              retrieval: dict | None = None) -> dict:
+              retrieval: dict | None = None, seed: int = 0) -> dict:
     """A probe's row from its healing report (``mlaconv.json``'s ``heal``), wall seconds, development curve and
-    passkey retrieval (``RetrievalLength``'s JSON, or None)."""
+    passkey retrieval (``RetrievalLength``'s JSON, or None) on the prompts of ``seed``."""
     means = [sum(point[text] for text in TEXTS) / len(TEXTS) for point in curve]
-    passkey = {} if retrieval is None else {"passkey": retrieval, "passkey_text": passkey_text(retrieval)}
+    passkey = {} if retrieval is None else {
+        "passkey": retrieval, "passkey_seed": seed,
+        "passkey_text": passkey_text(retrieval) + (f", seed {seed}" if seed else "")}
+    flags = "" if retrieval is None else (
+        f"--passkey {retrieval['length']} " + (f"--passkey-trials {len(retrieval['cases'])} "
+                                               if len(retrieval["cases"]) != 10 else "")
+        + (f"--passkey-seed {seed} " if seed else ""))
     return passkey | {"name": name, "healed_from": base, "options": " ".join(args), "steps": heal["steps"],
             "dev_curve": curve, "curve_text": ", ".join(f"{p['step']}: {m:.4f}" for p, m in zip(curve, means)),
             "end_text": " / ".join(f"{curve[-1][text]:.4f}" for text in TEXTS),
@@ -76,8 +84,7 @@ def probe_row(name: str, base: str, args: list[str], heal: dict, wall: float, cu
             "best_step": heal["best_step"], "held_before": heal["held_out_before"]["kl"],
             "held_after": heal["held_out_after"]["kl"], "minutes": wall / 60, "commit": commit(),
             "load": os.getloadavg(),
-            "command": f"python -m bench.real.heal_probe {name} --from {base} "
-                       + (f"--passkey {retrieval['length']} " if retrieval else "") + "-- " + " ".join(args)}
+            "command": f"python -m bench.real.heal_probe {name} --from {base} {flags}-- " + " ".join(args)}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,6 +93,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--from", dest="base", required=True, help="the fidelity row whose folder is healed")
     parser.add_argument("--passkey", type=lambda text: token_counts(text, "--passkey")[0], default=None,
                         help="also measure the healed model's passkey retrieval at this length (e.g. 4k)")
+    parser.add_argument("--passkey-trials", type=int, default=10, help="passkey prompts (default 10)")
+    parser.add_argument("--passkey-seed", type=int, default=0, help="their seed (default 0, the bench's usual prompts)")
     parser.add_argument("heal_args", nargs="*", help="after --: mlaconv heal's training options")
     return parser.parse_intermixed_args(argv)  # NAME --from ROW -- OPTIONS: the options after the name's flag
 
@@ -93,7 +102,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse()
     rows = read_result(NAME)["rows"] if (RESULTS / f"{NAME}.json").is_file() else []
-    row = probe(args.name, args.base, args.heal_args, args.passkey)
+    row = probe(args.name, args.base, args.heal_args, args.passkey, args.passkey_trials, args.passkey_seed)
     write_result(NAME, "real", [r for r in rows if r["name"] != args.name] + [row], COLUMNS, NOTES,
                  title="Short healing runs of SmolLM2-135M at 50%, scored on the development texts (probes)")
     print(row["name"], row["curve_text"])

@@ -21,6 +21,9 @@ def test_a_heal_probe_command_parses_into_name_row_and_healing_options():
         again = heal_probe.parse(row["command"].split()[3:])
         assert (again.name, again.base, " ".join(again.heal_args)) == (row["name"], row["healed_from"], row["options"])
         assert again.passkey == (row["passkey"]["length"] if "passkey" in row else None)
+        if "passkey" in row:
+            trials, seed = len(row["passkey"]["cases"]), row.get("passkey_seed", 0)
+            assert (again.passkey_trials, again.passkey_seed) == (trials, seed)
 
 
 def test_a_probe_row_states_its_passkey_answers_in_all_and_by_fifth_of_depth():
@@ -35,3 +38,8 @@ def test_a_probe_row_states_its_passkey_answers_in_all_and_by_fifth_of_depth():
     assert row["passkey_text"] == "7/10 at 4096 (0/2 1/2 2/2 2/2 2/2)"
     assert row["command"].endswith("p --from unhealed-50 --passkey 4096 -- --tokens 4096")
     assert "passkey" not in heal_probe.probe_row("p", "unhealed-50", [], heal, 60.0, curve)
+    fresh = dict(retrieval, cases=[{}] * 20, by_depth=[dict(b, trials=4) for b in buckets])
+    row = heal_probe.probe_row("p", "unhealed-50", ["--tokens", "4096"], heal, 60.0, curve, fresh, seed=1)
+    assert row["passkey_text"] == "14/20 at 4096 (0/4 2/4 4/4 4/4 4/4), seed 1"
+    again = heal_probe.parse(row["command"].split()[3:])
+    assert (again.passkey, again.passkey_trials, again.passkey_seed) == (4096, 20, 1)

@@ -9,8 +9,9 @@ input norm's power-of-two scale, only rescale what these tensors already do).
 The source's distributions are computed once per window before training (``teacher_targets``: its top-k
 log-probabilities and the rest of its mass as one bucket), so the source is never in memory with the model being
 trained. Each trained tensor is a fixed per-row scale times its converted rows plus a trained change
-(``RowScale``), so Adam's steps are relative to each row's size: the tiny latent's rows and the query's rows, 10⁶ apart, move alike. ``anchor`` decays
-the change towards 0 at every step (decoupled, as AdamW's weight decay), keeping the model near the conversion's.
+(``RowScale``), so Adam's steps are relative to each row's size: the tiny latent's rows and the query's rows, 10⁶
+apart, move alike. ``anchor`` decays the change towards 0 at every step (decoupled, as AdamW's weight decay),
+keeping the model near the conversion's.
 
 The windows of the calibration data are split three ways: *train* (the gradient steps), *select* (the best step,
 measured every ``check_every`` steps, is the one kept) and *held out* (measured before and after healing through
@@ -137,7 +138,7 @@ def make_trainable(model) -> list[torch.nn.Parameter]:
         parameter.requires_grad_(False)
     trained = []
     for module in trained_modules(model).values():
-        parametrize.register_parametrization(module, "weight", RowScale(module.weight.detach().clone()))
+        parametrize.register_parametrization(module, "weight", RowScale(module.weight.detach()))
         original = module.parametrizations.weight.original
         original.requires_grad_(True)
         trained.append(original)

@@ -17,7 +17,6 @@ from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.heal import HealOptions, heal
 from mlaconv.heal import run as heal_run
-from mlaconv.heal.distill import trained_modules
 from mlaconv.mla.latent_norm import latent_bound
 from mlaconv.report.conversion import HealReport
 
@@ -206,29 +205,3 @@ def test_an_observer_sees_the_start_and_every_check_and_changes_nothing(converte
     assert not torch.allclose(seen[-1][1], start, rtol=1e-3, atol=0)  # it saw the model as it trained
     observed, plain = tensors(tmp_path / "observed"), tensors(tmp_path / "plain")
     assert observed.keys() == plain.keys() and all(torch.equal(observed[n], plain[n]) for n in plain)
-
-
-def test_the_anchor_scales_each_step_s_change_from_the_converted_weights(converted, tmp_path):
-    """``--anchor a``: after Adam's step at rate lr, the trained tensors' change from the converted ones is scaled
-    by 1 − lr·a; the first step's change from the same start is then that factor times the unanchored one's, for
-    every trained tensor, and the report and the command line carry the option."""
-    src, folder, ids = converted
-    changes = {}
-    for anchor in (0.0, 5.0):
-        seen = {}
-
-        def observe(step, model):
-            seen[step] = {name: module.weight.detach().clone() for name, module in trained_modules(model).items()}
-
-        report = run_heal(src, folder, ids, tmp_path / f"anchor-{anchor}", observe=observe, tokens=96, check_every=1,
-                          anchor=anchor)
-        assert report.anchor == anchor and sorted(seen) == [0, 1]
-        changes[anchor] = {name: seen[1][name] - seen[0][name] for name in seen[0]}
-    assert len(changes[0.0]) == 6
-    for name, change in changes[0.0].items():
-        assert change.abs().max() > 0
-        assert torch.allclose(changes[5.0][name], (1 - 0.1 * 5.0) * change, rtol=1e-4, atol=1e-6 * change.abs().max())
-    refused = CliRunner().invoke(app, ["heal", "--json", str(folder), "--source", str(src), "--calib", str(ids),
-                                       "--out", str(tmp_path / "bad"), "--anchor", "-1"])
-    assert refused.exit_code == 1 and json.loads(refused.stdout)["error"].startswith("--anchor must be ≥ 0")
-    assert not (tmp_path / "bad").exists()

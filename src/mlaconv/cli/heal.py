@@ -38,8 +38,6 @@ def heal(
     written: Optional[int] = typer.Option(None, "--written", help="Also train on this many tokens of text the "
                                           f"source writes itself (sampled from it, seeded; default {WRITTEN_TOKENS:,}, "
                                           "at most as many as the calibration tokens trained on; 0: none)."),
-    anchor: float = typer.Option(0.0, "--anchor", help="Pull the trained tensors back towards the converted ones: "
-                                 "each step scales their change by 1 − step × ANCHOR (0: off)."),
     check_every: int = typer.Option(CHECK_EVERY, "--check-every", help="Steps between measurements on the select "
                                                                        "windows (the best is kept)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when torch sees a GPU)."),
@@ -70,8 +68,7 @@ def heal(
         if data is None:
             raise MlaconvError(f"{source} has no tokenizer to read the bundled text with: give --calib FILE.jsonl")
         options = HealOptions(tokens=tokens, window=window, batch=batch, lr=lr, schedule=lr_schedule, top_k=top_k,
-                              check_every=check_every, device=device or default_device(), written_tokens=written,
-                              anchor=anchor)
+                              check_every=check_every, device=device or default_device(), written_tokens=written)
         with progress(quiet) as track:
             report = run_heal(model, source, out or model, data, options, force=force, progress=track)
         render_report(report, report_console(json_out))

@@ -10,8 +10,7 @@ The source's distributions are computed once per window before training (``teach
 log-probabilities and the rest of its mass as one bucket), so the source is never in memory with the model being
 trained. Each trained tensor is a fixed per-row scale times its converted rows plus a trained change
 (``RowScale``), so Adam's steps are relative to each row's size: the tiny latent's rows and the query's rows, 10⁶
-apart, move alike. ``anchor`` decays the change towards 0 at every step (decoupled, as AdamW's weight decay),
-keeping the model near the conversion's.
+apart, move alike.
 
 The windows of the calibration data are split three ways: *train* (the gradient steps), *select* (the best step,
 measured every ``check_every`` steps, is the one kept) and *held out* (measured before and after healing through
@@ -69,7 +68,6 @@ class HealOptions:
     seed: int = 0
     written_tokens: int | None = None  # tokens of text the source writes itself (``generate``), added to the training
     # windows (None: ``default_written``; 0: none)
-    anchor: float = 0.0  # decay of the change towards the converted weights: × (1 − step · anchor) per step
 
 
 @dataclass
@@ -204,10 +202,6 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
             (loss / (options.batch * train_windows.shape[1])).backward()
             tokens += train_windows.shape[1]
         optimizer.step()
-        if options.anchor:
-            with torch.no_grad():
-                for change in parameters:
-                    change.mul_(1 - schedule.get_last_lr()[0] * options.anchor)
         schedule.step()
         if step % options.check_every == 0 or step == steps:
             measured = mean_kl(model, select_windows, select_targets)
@@ -250,7 +244,5 @@ def check_options(options: HealOptions) -> None:
         raise MlaconvError("--window must be ≥ 2 and --batch, --top-k and --check-every ≥ 1")
     if not (0 < options.lr < 1) or not math.isfinite(options.lr):
         raise MlaconvError(f"--lr must be in (0, 1), got {options.lr}")
-    if not (0 <= options.anchor * options.lr < 1) or not math.isfinite(options.anchor):
-        raise MlaconvError(f"--anchor must be ≥ 0 and --anchor × --lr < 1, got {options.anchor} × {options.lr}")
     if options.schedule not in SCHEDULES:
         raise MlaconvError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {options.schedule!r}")

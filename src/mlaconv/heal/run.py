@@ -154,7 +154,7 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     after = _held_out_figures(into, source, held, progress)
     return HealReport(
         source=str(source), calibration_data=data.description, window=window, batch=options.batch, lr=options.lr,
-        lr_schedule=options.schedule, anchor=options.anchor,
+        lr_schedule=options.schedule,
         top_k=options.top_k, device=options.device, trained=[f"self_attn.{name}" for name in TRAINED],
         tokens=steps * options.batch * window, steps=steps, best_step=training.best_step,
         data_window=data.windows.shape[1], train_windows=data.train, select_windows=data.select,

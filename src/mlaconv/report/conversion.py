@@ -206,7 +206,6 @@ class HealReport(Record):
     seconds: float
     written_windows: int = 0  # windows the source wrote itself (``heal.generate``), trained on beside the train windows
     lr_schedule: str = "constant"  # ``heal.distill.SCHEDULES``; reports older than the key healed at a constant step
-    anchor: float = 0.0  # the change's decay per step, relative to the step (``heal --anchor``)
     notes: list[str] = field(default_factory=list)
     verdict: Verdict | None = optional()
 

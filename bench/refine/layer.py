@@ -1,13 +1,16 @@
 #!/usr/bin/env python
 """One layer's refinement under different settings, on calibration data only (issue 16).
 
-Streams the source to layer L over a model's calib.txt (the fidelity bench's 64 windows of 256), factors that
-layer in its calibrated variant at the --kv-keep budget's default split, and runs ``refine`` with each setting
-given, printing the wall time and the relative attention error on the select windows (which choose settings)
-and on the audit windows (reported only). Never touches eval.txt.
+Streams the source to layer L over a bench model's calib.txt (the fidelity bench's 64 windows of 256), or, for a
+model folder (a real model, e.g. bench/_work/models/smollm2-135m), over the calibration ``mlaconv convert`` reads
+by default (the bundled general text, windows of 2,048); factors that layer in its calibrated variant at the
+--kv-keep budget's default split, and runs ``refine`` with each setting given, printing the wall time and the
+relative attention error on the select windows (which choose settings) and on the audit windows (reported only).
+Never touches evaluation text.
 
     python -m bench.refine.layer llama-docs 0.5 2 "steps=75,batch=4;steps=150,queries=32"   # keywords of mlaconv.mla.refine.refine
     python -m bench.refine.layer llama-docs 0.5 2 "steps=150,queries=32" 16   # training on the first 16 fit windows
+    python -m bench.refine.layer bench/_work/models/smollm2-135m 0.5 15 "steps=40,queries=256"
 """
 
 import argparse
@@ -29,15 +32,17 @@ MODELS = WORK / "models"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="a bench model under bench/_work/models (e.g. llama-docs)")
+    parser.add_argument("model", help="a bench model under bench/_work/models (e.g. llama-docs), or a model folder")
     parser.add_argument("kv_keep", type=float)
     parser.add_argument("layer", type=int)
     parser.add_argument("settings", help="';'-separated settings, each the keywords of mlaconv.mla.refine.refine")
     parser.add_argument("train_windows", type=int, nargs="?", help="fit windows to train on (default: convert's)")
     args = parser.parse_args()
     model, keep, layer_i, settings = args.model, args.kv_keep, args.layer, args.settings
-    opts = ConvertOptions(kv_keep=keep, calib=[str(MODELS / model / "calib.txt")], calib_tokens=16384, calib_window=256)
-    plan = with_rope_stride(plan_conversion(str(MODELS / model), opts))
+    bench_model = (MODELS / model / "calib.txt").is_file()
+    opts = (ConvertOptions(kv_keep=keep, calib=[str(MODELS / model / "calib.txt")], calib_tokens=16384,
+                           calib_window=256) if bench_model else ConvertOptions(kv_keep=keep))
+    plan = with_rope_stride(plan_conversion(str(MODELS / model) if bench_model else model, opts))
     tokens = calibrated.calibration_tokens(plan)
     streamer = calibrated.calibration_streamer(plan, tokens)
     train_windows = args.train_windows if args.train_windows else calibrated.training_windows(

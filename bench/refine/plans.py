@@ -26,7 +26,8 @@ from mlaconv.conversion.plan import ShapeChoice, check_recipe
 from mlaconv.mla.refine import refinement_flops
 from mlaconv.source.spec import SourceSpec
 
-BEFORE = dict(steps=75, batch=4, check_every=10)  # the default plan before the error was taken at a share of positions
+BEFORE = dict(steps=75, batch=4, check_every=10, budget=1800)  # the default plan before the error was taken at a
+# share of positions
 
 
 def before_seconds(spec: SourceSpec, shapes: ShapeChoice, window: int, selected: int, steps: int, batch: int,

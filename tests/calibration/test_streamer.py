@@ -281,7 +281,8 @@ def test_measured_attention_error_is_zero_for_an_exact_conversion(tiny_model, tm
 
 def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_samples, tmp_path, monkeypatch):
     """Full refinement where it is estimated to be affordable; on a slow CPU, healing or not, steps of one window (at
-    least 25) that fit the 30-minute budget; slower still, none — and the note says which."""
+    least 25) that fit the 30-minute budget, more in a longer --refine-minutes, the full plan where it fits in them;
+    slower still, none — and the note says which."""
     import mlaconv.conversion.calibrated as conversion
     from mlaconv.conversion.plan import plan_conversion
 
@@ -306,6 +307,12 @@ def test_refinement_is_reduced_to_fit_a_cpu_budget_or_skipped(stories, stories_s
     assert reduced.batch == 1 and 25 <= reduced.steps < 1200 and reduced.note.startswith("reduced:")
     assert reduced.queries == 12  # an eighth of each 96-token window's positions, as in the full plan
     assert reduced.lr == 3e-3  # the rate the reduced plan's figures were measured at
+    assert "about 30 min on this CPU" in reduced.note and "give --refine-minutes more time" in reduced.note
+    longer = planned_with(refine_minutes=60)
+    assert longer.batch == 1 and 2 * reduced.steps <= longer.steps < 2 * reduced.steps + 20  # + the check's share
+    assert "about 60 min on this CPU" in longer.note
+    assert planned_with(refine_minutes=121).steps == 1200  # at most the full plan's windows, one a step
+    assert planned_with(refine_minutes=180).steps == 150  # the full plan (2 h and its checks) fits in the budget
     healing = planned_with(heal_tokens=None)  # healing follows the refinement, whichever plan it is
     assert (healing.steps, healing.batch, healing.note) == (reduced.steps, 1, reduced.note)
     assert planned_with(heal_tokens=None, device="cuda:0").steps == 150

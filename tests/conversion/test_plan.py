@@ -137,6 +137,8 @@ def test_the_output_size_estimate_is_what_convert_writes(tiny_model, tmp_path):
     ({"rank": 24, "rope_dim": 8, "rope_stride": 3}, "--rope-stride 3 does not fit 8 rope dims"),
     ({"rank": 24, "calib_tokens": 0}, "--calib-tokens must be positive"),
     ({"rank": 24, "refine_steps": -1}, "--refine-steps must be ≥ 0"),
+    ({"rank": 24, "refine_minutes": 0}, "--refine-minutes must be a positive number"),
+    ({"rank": 24, "refine_minutes": float("nan")}, "--refine-minutes must be a positive number"),
     ({"rank": 24, "calib_sequential": "inputs"}, "--calib-sequential must be one of outputs, residual"),
     ({"rank": 24, "weights_only": True, "calib_sequential": "residual"}, "--calib-sequential chooses and refines"),
     ({"rank": 24, "weights_only": True, "heal_tokens": 1024}, "--heal-tokens trains on calibration data"),

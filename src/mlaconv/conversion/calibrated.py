@@ -20,6 +20,7 @@ from mlaconv.calibration.rotary_audit import RotaryAudit
 from mlaconv.calibration.streamer import CalibrationOptions, MLARun, SourceStreamer
 from mlaconv.calibration.windows import WindowSplit, load_calibration_tokens, split_windows
 from mlaconv.conversion.pipeline import LayerStep, SourceLayer, source_layers
+from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.pipelines import Pipeline, PipelineSections, register
 from mlaconv.conversion.plan import Plan, ShapeChoice, kv_budget, rope_strides, shape_candidates, with_rope_stride
 from mlaconv.errors import MlaconvError
@@ -39,7 +40,6 @@ REDUCED_REFINE_LR = 3e-3  # the reduced plan's steps of one window, at the rate 
 # What refinement assumes a CPU sustains when it estimates its own cost. Conservative: on the 2 cores this was
 # developed on, steps on a Qwen2.5-0.5B-shaped layer (2048-token windows) ran 1.5–2.3× faster than estimated.
 CPU_FLOPS = 5e10
-AUTO_REFINE_SECONDS = 1800  # the default refinement on a CPU must be estimated to take less than this
 SEARCH_FIT_WINDOWS = 8  # fit windows the --kv-keep split search factors on (it measures on the select windows)
 CLOSED, REFINED = "closed form", "refined"  # the two whole models the audit compares
 
@@ -163,10 +163,11 @@ def refinement_plan(plan: Plan, streamer: SourceStreamer | None) -> RefinementPl
 
     The default is 150 steps of 8 fit windows at a relative learning rate of 3e-2, each step's error taken at an
     eighth of every window's positions, measured on the select windows every 10 steps. On a CPU, where that is
-    estimated above 30 minutes, it is reduced to steps of one window (an eighth of its positions) at 3e-3, measured
-    once at the end, as many as fit in 30 minutes (at least 25), else skipped; the note says which. Healing (on by
-    default) runs after it either way: on SmolLM2-135M at 50% the two together beat either alone on the development
-    texts (bench/real/README.md).
+    estimated above ``--refine-minutes`` (30), it is reduced to steps of one window (an eighth of its positions) at
+    3e-3, measured once at the end, as many as fit in that time (at least 25), else skipped; the note says which.
+    At an equal number of windows such steps fit a layer as well as the full plan's, in less time on a CPU
+    (bench/refine/README.md). Healing (on by default) runs after it either way: on SmolLM2-135M at 50% the two
+    together beat either alone on the development texts (bench/real/README.md).
     """
     options = plan.options
     if streamer is None:
@@ -179,15 +180,15 @@ def refinement_plan(plan: Plan, streamer: SourceStreamer | None) -> RefinementPl
     if options.refine_steps is not None:
         return RefinementPlan(options.refine_steps, min(options.refine_batch, train_windows), "set by --refine-steps",
                               check_every=options.refine_check_every, queries=queries, train_windows=train_windows)
-    cpu = cpu_refinement(plan.spec, plan.shapes, window, len(streamer.split.select))
+    cpu = cpu_refinement(plan.spec, plan.shapes, window, len(streamer.split.select), 60 * options.refine_minutes)
     if options.calibration_device.startswith("cuda") or cpu.reduced_steps is None:
         return RefinementPlan(DEFAULT_REFINE_STEPS, min(REFINE_BATCH, train_windows), "default", queries=queries,
                               train_windows=train_windows)
-    advice = (f"pass --refine-steps {DEFAULT_REFINE_STEPS} to run the full refinement anyway, or calibrate with "
-              "--device cuda")
+    minutes = f"{options.refine_minutes:g} min"
+    advice = "give --refine-minutes more time for more steps, or calibrate with --device cuda"
     if cpu.reduced_steps:
         return RefinementPlan(cpu.reduced_steps, 1, (
-            f"reduced: {cpu.reduced_steps} steps of one window, about 30 min on this CPU by estimate (the full "
+            f"reduced: {cpu.reduced_steps} steps of one window, about {minutes} on this CPU by estimate (the full "
             f"{DEFAULT_REFINE_STEPS} steps of {REFINE_BATCH} would take about {cpu.full_seconds / 3600:.1f} h); "
             f"{advice}"), check_every=cpu.reduced_steps, lr=REDUCED_REFINE_LR, queries=queries,
             train_windows=train_windows)
@@ -201,26 +202,29 @@ class CPURefinement:
     """What a CPU can afford of the refinement, by estimate (``refinement_seconds``)."""
 
     full_seconds: float  # the default plan
-    reduced_steps: int | None  # steps of one window that fit in AUTO_REFINE_SECONDS (None: the full plan fits; 0: not
+    reduced_steps: int | None  # steps of one window that fit in the budget (None: the full plan fits; 0: not
     # even MIN_REDUCED_STEPS do)
     least_seconds: float  # MIN_REDUCED_STEPS steps of one window
 
 
-def cpu_refinement(spec: SourceSpec, shapes: ShapeChoice, window: int, selected: int) -> CPURefinement:
-    """What a CPU can afford of the default plan for this model, shapes and calibration (``affordable``)."""
+def cpu_refinement(spec: SourceSpec, shapes: ShapeChoice, window: int, selected: int,
+                   budget: float = 60 * ConvertOptions.refine_minutes) -> CPURefinement:
+    """What a CPU can afford of the default plan for this model, shapes and calibration in ``budget`` seconds
+    (``affordable``)."""
     return affordable(partial(refinement_seconds, spec, shapes, window, selected), DEFAULT_REFINE_STEPS, REFINE_BATCH,
-                      CHECK_EVERY)
+                      CHECK_EVERY, budget)
 
 
-def affordable(seconds: Callable[[int, int, int], float], steps: int, batch: int, check_every: int) -> CPURefinement:
-    """The full plan (``steps`` of ``batch`` windows) where ``seconds(steps, batch, check_every)`` is under 30
-    minutes, else as many steps of one window as fit (up to as many windows as the full plan's steps see, at least
+def affordable(seconds: Callable[[int, int, int], float], steps: int, batch: int, check_every: int,
+               budget: float) -> CPURefinement:
+    """The full plan (``steps`` of ``batch`` windows) where ``seconds(steps, batch, check_every)`` is within
+    ``budget``, else as many steps of one window as fit (up to as many windows as the full plan's steps see, at least
     MIN_REDUCED_STEPS, one check at the end), else none."""
     full = seconds(steps, batch, check_every)
     least = seconds(MIN_REDUCED_STEPS, 1, MIN_REDUCED_STEPS)
-    if full <= AUTO_REFINE_SECONDS:
+    if full <= budget:
         return CPURefinement(full, None, least)
-    fits = [n for n in range(MIN_REDUCED_STEPS, steps * batch + 1) if seconds(n, 1, n) <= AUTO_REFINE_SECONDS]
+    fits = [n for n in range(MIN_REDUCED_STEPS, steps * batch + 1) if seconds(n, 1, n) <= budget]
     return CPURefinement(full, fits[-1] if fits else 0, least)
 
 

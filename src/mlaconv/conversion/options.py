@@ -100,9 +100,12 @@ class ConvertOptions:
     layer_search: bool = True  # calibrated: keep, per layer, the variant with the least measured error
     refine_steps: int | None = option(None, "With calibration: gradient steps per layer on its measured attention "
                                             "error, kept only if it measures better on held-out windows (default: 150 "
-                                            "steps of 8 windows on CUDA, or on a CPU where that is estimated under 30 "
-                                            "min; else as many steps of 1 window as fit in 30 min, at least 25, else "
-                                            "none; 0 = closed form only).", int, spectra=True)
+                                            "steps of 8 windows on CUDA, or on a CPU where that is estimated within "
+                                            "--refine-minutes; else as many steps of 1 window as fit in them, at least "
+                                            "25, else none; 0 = closed form only).", int, spectra=True)
+    refine_minutes: float = option(30.0, "On a CPU, the default refinement's time budget by estimate, in minutes (more "
+                                         "steps of 1 window fit in a longer one, up to the full plan's 1200 "
+                                         "windows, and fit each layer closer to the source).", float, recipe=(float, int))
     calib_sequential: str | None = option(None, "Choose and refine each layer on the inputs the converted layers before "
                                                 "it produce, towards the source's attention outputs (outputs) or its "
                                                 "residual stream (residual); default off.", str, recipe=(str,))

@@ -287,6 +287,8 @@ def plan_conversion(source: str, options: ConvertOptions, every_rank: bool = Fal
                            "(or drop --weights-only)")
     if options.refine_steps is not None and options.refine_steps < 0:
         raise MlaconvError(f"--refine-steps must be ≥ 0, got {options.refine_steps}")
+    if not (0 < options.refine_minutes < math.inf):
+        raise MlaconvError(f"--refine-minutes must be a positive number of minutes, got {options.refine_minutes}")
     if options.refine_batch < 1 or options.refine_check_every < 1:
         raise MlaconvError("the refinement batch and check interval must be ≥ 1")
     if options.eval_retrieval:

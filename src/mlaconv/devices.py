@@ -22,6 +22,13 @@ def available_memory_bytes() -> int:
     return 8 * 2**30
 
 
+def free_memory_bytes(device: str) -> int:
+    """What ``device`` has free: the GPU's free memory for a CUDA device, else the machine's available memory."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    return available_memory_bytes()
+
+
 def default_device() -> str:
     """Where calibration runs unless told: the GPU when torch sees one, else the CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"

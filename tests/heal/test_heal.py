@@ -205,3 +205,29 @@ def test_an_observer_sees_the_start_and_every_check_and_changes_nothing(converte
     assert not torch.allclose(seen[-1][1], start, rtol=1e-3, atol=0)  # it saw the model as it trained
     observed, plain = tensors(tmp_path / "observed"), tensors(tmp_path / "plain")
     assert observed.keys() == plain.keys() and all(torch.equal(observed[n], plain[n]) for n in plain)
+
+
+def test_layers_are_recomputed_when_a_window_would_not_fit(converted, tmp_path, monkeypatch):
+    """Where one window's activations would take over half the free memory, each decoder layer runs again in the
+    backward pass (one more attention call per trained window) and the report says so; the healed tensors are the
+    ones healed without it, and with the memory free nothing is recomputed."""
+    src, folder, ids = converted
+    calls = {}
+
+    def counting(name):
+        def observe(step, model):
+            if step == 0:
+                calls[name] = 0
+                attention = model.model.layers[0].self_attn
+                attention.register_forward_hook(lambda *_: calls.__setitem__(name, calls[name] + 1))
+        return observe
+
+    plain = run_heal(src, folder, ids, tmp_path / "plain", observe=counting("plain"))
+    monkeypatch.setattr(heal_run, "free_memory_bytes", lambda device: 1000)
+    recomputed = run_heal(src, folder, ids, tmp_path / "recomputed", observe=counting("recomputed"))
+    assert (plain.recompute, recomputed.recompute) == (False, True)
+    assert calls["recomputed"] - calls["plain"] == recomputed.steps * recomputed.batch > 0
+    a, b = tensors(tmp_path / "plain"), tensors(tmp_path / "recomputed")
+    assert a.keys() == b.keys() and all(torch.allclose(a[n].float(), b[n].float(), rtol=1e-5, atol=0) for n in a)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(a[key], tensors(folder)[key])  # it healed

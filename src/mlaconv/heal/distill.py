@@ -49,6 +49,8 @@ MAX_EPOCHS = 4  # the default budget's passes over the training windows, at most
 WRITTEN_TOKENS = 2**16  # the default text the source writes itself, at most as many tokens as the calibration text
 # healing trains on (development texts, bench/real/README.md: mean KL 0.186 → 0.182 on SmolLM2-135M at 50%)
 STEP_COST = 3.5  # one training token costs about this many source forward tokens (forward, backward, the update)
+RECOMPUTE_SHARE = 0.5  # layers are recomputed in the backward pass when one window's activations would take more
+# than this share of the free memory (SmolLM2-135M: about 2 GB at 512 tokens, about 50 GB at 4,096)
 
 
 Observer = Callable[[int, torch.nn.Module], None]  # (step, model being trained): a bench's measurements at checks
@@ -68,6 +70,7 @@ class HealOptions:
     seed: int = 0
     written_tokens: int | None = None  # tokens of text the source writes itself (``generate``), added to the training
     # windows (None: ``default_written``; 0: none)
+    recompute: bool = False  # recompute each layer in the backward pass instead of keeping its activations
 
 
 @dataclass
@@ -149,6 +152,28 @@ def trained_weights(model) -> dict[str, torch.Tensor]:
         return {name: module.weight.detach().cpu().clone() for name, module in trained_modules(model).items()}
 
 
+def activation_bytes(config, window: int) -> int:
+    """About what one training window's backward keeps in float32 when no layer is recomputed: per layer and token
+    the attention's scores and probabilities (heads × window) and the layer's other saved tensors (about 16 hidden
+    widths, 4 intermediate widths and 4 widths of the heads' queries, keys and values), and the logits 3 times."""
+    heads = config.num_attention_heads
+    head_dims = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+    per_token = (2 * heads * window + 16 * config.hidden_size + 4 * config.intermediate_size + 4 * heads * head_dims)
+    return 4 * window * (config.num_hidden_layers * per_token + 3 * config.vocab_size)
+
+
+def recompute_layers(model) -> None:
+    """Recompute each decoder layer in the backward pass (transformers' activation checkpointing, named gradient
+    checkpointing before 5.x), which runs only in training mode: the decoder layers alone are put in it, so nothing
+    below them (dropout) changes."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in model.model.layers:
+        layer.training = True
+
+
 def mean_kl(model, windows: torch.Tensor, targets: Targets) -> float:
     """The sparse KL per token of ``model`` on ``windows`` against ``targets``."""
     device = next(model.parameters()).device
@@ -186,6 +211,8 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
     generator = torch.Generator().manual_seed(options.seed)
     order: list[int] = []
     model.eval()  # no dropout; gradients flow regardless
+    if options.recompute:
+        recompute_layers(model)
     before = best = mean_kl(model, select_windows, select_targets)
     best_state, best_step, curve = trained_weights(model), 0, [(0, before)]
     if observe:

@@ -16,8 +16,10 @@ import torch
 
 from mlaconv.calibration.windows import CalibrationData, cut_windows, drawn_windows, split_windows
 from mlaconv.errors import MlaconvError
-from mlaconv.heal.distill import (HELD_WINDOWS, STEP_COST, TRAINED, HealOptions, Observer, check_options,
-                                  default_tokens, default_written, teacher_targets, train)
+from mlaconv.devices import free_memory_bytes
+from mlaconv.heal.distill import (HELD_WINDOWS, RECOMPUTE_SHARE, STEP_COST, TRAINED, HealOptions, Observer,
+                                  activation_bytes, check_options, default_tokens, default_written, teacher_targets,
+                                  train)
 from mlaconv.heal.generate import written_windows
 from mlaconv.io import atomic_output_dir, check_output_target
 from mlaconv.io.models import load_causal_lm
@@ -143,9 +145,15 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
 
     before = _held_out_figures(folder, source, held, progress)
     model = load_causal_lm(folder, torch.float32, device=options.device)
-    label = f"healing: {steps} steps of {options.batch} × {window} tokens (~{estimate / 60:.0f} min by this machine's speed)"
-    state, training = train(model, train_pool[train_ids], train_targets, select, select_targets, steps, options,
-                            progress, label, observe)
+    activations = activation_bytes(model.config, window)
+    recompute = activations > RECOMPUTE_SHARE * free_memory_bytes(options.device)
+    if recompute:
+        estimate += seconds_per_token * window * steps * options.batch  # the forward pass again, in the backward
+    memory = f"; layers recomputed, a window's activations ~{activations / 2**30:.0f} GiB" if recompute else ""
+    label = (f"healing: {steps} steps of {options.batch} × {window} tokens "
+             f"(~{estimate / 60:.0f} min by this machine's speed{memory})")
+    state, training = train(model, train_pool[train_ids], train_targets, select, select_targets, steps,
+                            replace(options, recompute=recompute), progress, label, observe)
     del model
     if training.best_step == 0:
         state = {}  # no step did better on the select windows: the model is written as it was
@@ -158,7 +166,7 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
         top_k=options.top_k, device=options.device, trained=[f"self_attn.{name}" for name in TRAINED],
         tokens=steps * options.batch * window, steps=steps, best_step=training.best_step,
         data_window=data.windows.shape[1], train_windows=data.train, select_windows=data.select,
-        held_out_windows=data.held_out, written_windows=written,
+        held_out_windows=data.held_out, written_windows=written, recompute=recompute,
         select_kl_before=training.select_before,
         select_kl_after=training.select_after, curve=[list(point) for point in training.curve],
         held_out_before=before, held_out_after=after, latent_bound=bound, rescaled_layers=rescaled,

@@ -22,9 +22,10 @@ def available_memory_bytes() -> int:
     return 8 * 2**30
 
 
-def free_memory_bytes(device: str) -> int:
-    """What ``device`` has free: the GPU's free memory for a CUDA device, else the machine's available memory."""
-    if torch.device(device).type == "cuda":
+def free_memory_bytes(device: str | None) -> int:
+    """What ``device`` has free: the GPU's free memory for a CUDA device torch sees, else the machine's available
+    memory."""
+    if device and torch.device(device).type == "cuda" and torch.cuda.is_available():
         return torch.cuda.mem_get_info(torch.device(device))[0]
     return available_memory_bytes()
 

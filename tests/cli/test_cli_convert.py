@@ -78,7 +78,7 @@ def test_a_failing_check_keeps_the_conversion(stories, tmp_path, monkeypatch):
 def test_eval_without_room_for_both_models_reports_no_kl(stories, tmp_path, monkeypatch):
     import mlaconv.evaluate.perplexity
 
-    monkeypatch.setattr(mlaconv.evaluate.perplexity, "available_memory_bytes", lambda: 1)
+    monkeypatch.setattr(mlaconv.evaluate.perplexity, "free_memory_bytes", lambda device: 1)
     result = convert(stories, tmp_path / "out", "--rank", 8, "--no-verify", "--eval-tokens", stories / "samples.jsonl",
                      "--json")
     assert result.exit_code == 0, result.output

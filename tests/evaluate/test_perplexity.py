@@ -222,7 +222,7 @@ def test_models_that_do_not_fit_together_run_one_after_the_other(with_tokenizer,
     baseline, model = with_tokenizer("baseline", seed=0), with_tokenizer("model", seed=1)
     source = TokenSource(text=text_file)
     together = evaluate_perplexity(model, baseline, source=source, window=32)
-    monkeypatch.setattr(evaluate_module, "available_memory_bytes", lambda: 1)
+    monkeypatch.setattr(evaluate_module, "free_memory_bytes", lambda device: 1)
 
     sequential = evaluate_perplexity(model, baseline, source=source, window=32)
 
@@ -376,7 +376,7 @@ def test_position_buckets_split_the_figures_exactly(with_tokenizer, text_file, t
         "top1_agreement": lambda b: b.top1}.items()}
     assert combined == pytest.approx({name: getattr(report, name) for name in combined}, rel=1e-12, abs=1e-15)
 
-    monkeypatch.setattr(evaluate_module, "available_memory_bytes", lambda: 1)  # one model after the other
+    monkeypatch.setattr(evaluate_module, "free_memory_bytes", lambda device: 1)  # one model after the other
     sequential = evaluate_perplexity(model, baseline, source=source, window=window, position_buckets=[8, 20])
     assert [b.drift for b in sequential.by_position] == pytest.approx([b.drift for b in buckets], rel=1e-9)
     assert all(b.kl is None and b.top1 is None for b in sequential.by_position)

@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from mlaconv.devices import DTYPES, available_memory_bytes, check_device
+from mlaconv.devices import DTYPES, check_device, free_memory_bytes
 from mlaconv.errors import MlaconvError
 from mlaconv.io import read_config, resolve_source
 from mlaconv.io.models import load_causal_lm, parameter_bytes, refuse_float16_mla
@@ -401,9 +401,6 @@ def _check_windows(windows: Sequence[torch.Tensor], folders: ModelPair, position
 
 def _free_memory(device: str | None, device_map: str | None) -> int:
     """Bytes free where the models will live: one GPU, all GPUs for a device map, else host RAM."""
-    if torch.cuda.is_available():
-        if device_map:
-            return sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
-        if device and torch.device(device).type == "cuda":
-            return torch.cuda.mem_get_info(torch.device(device))[0]
-    return available_memory_bytes()
+    if device_map and torch.cuda.is_available():
+        return sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+    return free_memory_bytes(device)

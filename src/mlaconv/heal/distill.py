@@ -50,7 +50,7 @@ WRITTEN_TOKENS = 2**16  # the default text the source writes itself, at most as 
 # healing trains on (development texts, bench/real/README.md: mean KL 0.186 → 0.182 on SmolLM2-135M at 50%)
 STEP_COST = 3.5  # one training token costs about this many source forward tokens (forward, backward, the update)
 RECOMPUTE_SHARE = 0.5  # layers are recomputed in the backward pass when one window's activations would take more
-# than this share of the free memory (SmolLM2-135M: about 2 GB at 512 tokens, about 50 GB at 4,096)
+# than this share of the free memory (SmolLM2-135M: about 2 GiB at 512 tokens, about 46 GiB at 4,096)
 
 
 Observer = Callable[[int, torch.nn.Module], None]  # (step, model being trained): a bench's measurements at checks
@@ -70,7 +70,6 @@ class HealOptions:
     seed: int = 0
     written_tokens: int | None = None  # tokens of text the source writes itself (``generate``), added to the training
     # windows (None: ``default_written``; 0: none)
-    recompute: bool = False  # recompute each layer in the backward pass instead of keeping its activations
 
 
 @dataclass
@@ -197,11 +196,13 @@ class Training:
 
 def train(model, train_windows: torch.Tensor, train_targets: Targets, select_windows: torch.Tensor,
           select_targets: Targets, steps: int, options: HealOptions, progress: Progress = no_progress,
-          label: str = "healing", observe: Observer | None = None) -> tuple[dict[str, torch.Tensor], Training]:
+          label: str = "healing", observe: Observer | None = None,
+          recompute: bool = False) -> tuple[dict[str, torch.Tensor], Training]:
     """Adam on the trained tensors of ``model`` over ``steps`` steps of ``options.batch`` training windows (drawn
     in a seeded order, epoch after epoch), its step scheduled by ``options.schedule``; the best state on the select
     windows (the start included) is returned. ``observe(step, model)``, when given, runs at the start and at every
-    check (a bench's own measurements; it must not change the model)."""
+    check (a bench's own measurements; it must not change the model). ``recompute``: each decoder layer is run again
+    in the backward pass instead of keeping its activations (``recompute_layers``)."""
     started = time.perf_counter()
     parameters = make_trainable(model)
     optimizer = torch.optim.Adam(parameters, lr=options.lr)
@@ -211,7 +212,7 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
     generator = torch.Generator().manual_seed(options.seed)
     order: list[int] = []
     model.eval()  # no dropout; gradients flow regardless
-    if options.recompute:
+    if recompute:
         recompute_layers(model)
     before = best = mean_kl(model, select_windows, select_targets)
     best_state, best_step, curve = trained_weights(model), 0, [(0, before)]

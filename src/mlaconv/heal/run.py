@@ -152,8 +152,8 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     memory = f"; layers recomputed, a window's activations ~{activations / 2**30:.0f} GiB" if recompute else ""
     label = (f"healing: {steps} steps of {options.batch} × {window} tokens "
              f"(~{estimate / 60:.0f} min by this machine's speed{memory})")
-    state, training = train(model, train_pool[train_ids], train_targets, select, select_targets, steps,
-                            replace(options, recompute=recompute), progress, label, observe)
+    state, training = train(model, train_pool[train_ids], train_targets, select, select_targets, steps, options,
+                            progress, label, observe, recompute)
     del model
     if training.best_step == 0:
         state = {}  # no step did better on the select windows: the model is written as it was

@@ -81,7 +81,8 @@ class Components(Swapped):
             src.self_attn(src.input_layernorm(h), position_embeddings=source_angles, attention_mask=None)
             conv.self_attn(conv.input_layernorm(h * self.alpha), position_embeddings=converted_angles,
                            attention_mask=None)
-            (w_src, v_src), (w_conv, v_conv) = src.self_attn.captured, conv.self_attn.captured
+            (w_src, v_src), (w_conv, v_conv) = (attn.__dict__.pop("captured")  # held one layer at a time
+                                                for attn in (src.self_attn, conv.self_attn))
             if mode == "exact":
                 out = _heads_out(src.self_attn, w_src, v_src)
             elif mode == "scores":
@@ -123,15 +124,16 @@ def main() -> None:
     tokenizer = load_tokenizer(args.source)
     ids = tokenizer(args.text.read_text(encoding="utf-8"), verbose=False)["input_ids"]
     ids = torch.tensor(ids[: args.windows * args.window]).view(args.windows, args.window)
-    components = Components(load_causal_lm(args.source), load_causal_lm(args.converted))
-    with torch.inference_mode():
-        reference = [components.source(w[None], use_cache=False).logits[0] for w in ids]
-    rows = []
+    source = load_causal_lm(args.source)
+    with torch.inference_mode():  # transformers' own attention, before the harness replaces it
+        reference = [source(w[None], use_cache=False).logits[0] for w in ids]
+    components = Components(source, load_causal_lm(args.converted))
+    rows, command = [], " ".join(["python -m bench.real.loss_by_component", *sys.argv[1:]])
     for mode in MODES:
         kl, top1 = zip(*(token_kl_top1(ref, components.logits(w[None], mode)[0]) for ref, w in zip(reference, ids)))
         kl, top1 = bucket_means(torch.stack(kl)), bucket_means(torch.stack(top1))
         rows.append({"run": args.name, "mode": mode, "text": args.text.name, "kl": kl, "top1": top1,
-                     "commit": commit(), "command": " ".join(["python -m bench.real.loss_by_component", *sys.argv[1:]])})
+                     "commit": commit(), "command": command})
         print(args.name, mode, json.dumps(kl), flush=True)
     path = RESULTS / "real-loss-by-component.json"
     kept = [r for r in json.loads(path.read_text())["rows"] if r["run"] != args.name] if path.exists() else []

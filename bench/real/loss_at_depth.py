@@ -44,13 +44,21 @@ class Swapped:
         return self.source.lm_head(self.source.model.norm(h))
 
 
+def text_windows(source: Path, text: Path, windows: int, window: int) -> torch.Tensor:
+    """The first ``windows`` windows of ``window`` tokens of ``text`` in the source's tokenizer → [windows, window]."""
+    from mlaconv.io.models import load_tokenizer
+
+    ids = load_tokenizer(source)(text.read_text(encoding="utf-8"), verbose=False)["input_ids"]
+    return torch.tensor(ids[: windows * window]).view(windows, window)
+
+
 def kl_top1(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
     p, q = reference.double().log_softmax(-1), other.double().log_softmax(-1)
     return (p.exp() * (p - q)).sum(-1).mean().item(), (p.argmax(-1) == q.argmax(-1)).double().mean().item()
 
 
 def main() -> None:
-    from mlaconv.io.models import load_causal_lm, load_tokenizer
+    from mlaconv.io.models import load_causal_lm
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("converted", type=Path)
@@ -59,9 +67,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--window", type=int, default=1024)
     args = parser.parse_args()
-    tokenizer = load_tokenizer(SOURCE)
-    ids = tokenizer(args.text.read_text(encoding="utf-8"), verbose=False)["input_ids"]
-    ids = torch.tensor(ids[: args.windows * args.window]).view(args.windows, args.window)
+    ids = text_windows(SOURCE, args.text, args.windows, args.window)
     source, converted = load_causal_lm(SOURCE), load_causal_lm(args.converted)
     swapped = Swapped(source, converted)
     with torch.inference_mode():

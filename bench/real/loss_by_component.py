@@ -36,7 +36,7 @@ from transformers.models.llama.modeling_llama import repeat_kv  # noqa: E402
 
 from bench.lib.results import RESULTS, commit, write_result  # noqa: E402
 from bench.real.build import DEFAULT_OUT as SOURCE  # noqa: E402
-from bench.real.loss_at_depth import Swapped  # noqa: E402
+from bench.real.loss_at_depth import Swapped, text_windows  # noqa: E402
 
 MODES = ("exact", "scores", "values", "converted")
 BUCKETS = (0, 512, 2048)
@@ -111,7 +111,7 @@ def bucket_means(values: torch.Tensor) -> dict[str, float]:
 
 
 def main() -> None:
-    from mlaconv.io.models import load_causal_lm, load_tokenizer
+    from mlaconv.io.models import load_causal_lm
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("converted", type=Path)
@@ -121,9 +121,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--source", type=Path, default=SOURCE)
     args = parser.parse_args()
-    tokenizer = load_tokenizer(args.source)
-    ids = tokenizer(args.text.read_text(encoding="utf-8"), verbose=False)["input_ids"]
-    ids = torch.tensor(ids[: args.windows * args.window]).view(args.windows, args.window)
+    ids = text_windows(args.source, args.text, args.windows, args.window)
     source = load_causal_lm(args.source)
     with torch.inference_mode():  # transformers' own attention, before the harness replaces it
         reference = [source(w[None], use_cache=False).logits[0] for w in ids]

@@ -368,6 +368,29 @@ def test_kv_keep_split_is_chosen_by_measured_error(tiny_model, tmp_path):
     assert "least mean attention error" in report.shape_choice
 
 
+def test_the_split_search_compares_refined_splits_unless_refinement_is_off(tiny_model, tmp_path):
+    """Each candidate is refined for SEARCH_REFINE_STEPS before the comparison (its best step kept, the closed form
+    included), so no split measures worse than its closed form and the table says how many steps; with
+    --refine-steps 0 the closed forms are compared."""
+    from mlaconv.conversion.calibrated import SEARCH_REFINE_STEPS
+
+    src = tiny_model(kv_heads=2, head_dim=32, hidden=128, heads=4)
+    write_tokens(tmp_path / "calib.jsonl", random_tokens(8, 48, 96, seed=8))
+    searches = {}
+    for steps in (None, 0):
+        options = ConvertOptions(kv_keep=0.5, verify=False, calib_window=48, calib=[str(tmp_path / "calib.jsonl")],
+                                 refine_steps=steps, heal_tokens=0)
+        searches[steps] = convert(str(src), tmp_path / f"out-{steps}", options).shape_search
+    refined, closed = searches[None], searches[0]
+    assert (refined.refine_steps, closed.refine_steps) == (SEARCH_REFINE_STEPS, 0)
+    assert f"after {SEARCH_REFINE_STEPS} refinement steps" in refined.chosen and "in closed form" in closed.chosen
+    pairs = list(zip(refined.candidates, closed.candidates))
+    assert len(pairs) >= 2
+    assert all((a.kv_lora_rank, a.qk_rope_head_dim) == (b.kv_lora_rank, b.qk_rope_head_dim) for a, b in pairs)
+    assert all(a.mean_attention_error <= b.mean_attention_error for a, b in pairs)
+    assert sum(a.mean_attention_error for a, _ in pairs) < sum(b.mean_attention_error for _, b in pairs)
+
+
 
 @pytest.mark.parametrize("sequential", ["outputs", "residual"])
 def test_a_sequential_calibration_refines_each_layer_on_the_written_models_own_inputs(stories, stories_samples,

@@ -78,10 +78,10 @@ def test_budget_and_full_rank_by_hand():
 
 
 def test_split_candidates_of_a_llama_1b_budget_by_hand():
-    """Half of 1024 is 512: R ∈ {8, 16, 32, 64} (≤ d and half the budget); r = 512 − R rounded down to 16s, but
+    """Half of 1024 is 512: R ∈ {16, 32, 48, 64} (≤ d and half the budget); r = 512 − R rounded down to 16s, but
     the default split (R = 64, r = 448) as ``plan_shapes`` makes it."""
     one_b = SourceSpec.from_config(ONE_B)
-    assert [(c.rank, c.rope_dim) for c in shape_candidates(one_b, 0.5)] == [(496, 8), (496, 16), (480, 32), (448, 64)]
+    assert [(c.rank, c.rope_dim) for c in shape_candidates(one_b, 0.5)] == [(496, 16), (480, 32), (464, 48), (448, 64)]
 
 
 def test_output_dtype_and_factor_precision():

@@ -124,7 +124,7 @@ def test_mha_configs_keep_one_shared_rope_key_for_every_head(name, layers, hidde
     half = plan_shapes(spec, None, 0.5, None)  # --kv-keep 0.5: R = 64 by default, the latent gets the rest
     assert (half.rank, half.rope_dim) == (heads * head_dim - 64, 64)
     candidates = shape_candidates(spec, 0.5)  # what the calibrated split search compares
-    assert [c.rope_dim for c in candidates] == [R for R in (8, 16, 32, 64, 128) if R <= head_dim]
+    assert [c.rope_dim for c in candidates] == [R for R in (16, 32, 48, 64, 96, 128) if R <= head_dim]
     for c in candidates:
         assert c.rank + c.rope_dim <= heads * head_dim and c.rank % 16 == 0
 

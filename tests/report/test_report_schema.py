@@ -28,7 +28,7 @@ def reports(tmp_path_factory):
     from helpers import make_model
 
     tmp = tmp_path_factory.mktemp("schema")
-    src = make_model(tmp / "src", "qwen2", layers=2, head_dim=16)
+    src = make_model(tmp / "src", "qwen2", layers=2, head_dim=32)
     calib = write_tokens(tmp / "calib.jsonl", random_tokens(20, 24, 96, seed=1))
     ids = write_tokens(tmp / "eval.jsonl", random_tokens(4, 32, 96, seed=2))
     converted = convert(str(src), tmp / "out", ConvertOptions(

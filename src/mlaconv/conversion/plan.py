@@ -130,7 +130,7 @@ def model_full_rank(spec: SourceSpec, rope_dim: int) -> int:
 def shape_candidates(spec: SourceSpec, kv_keep: float, chosen: Target | None = None) -> list[ShapeChoice]:
     """The (r, R) splits of a --kv-keep budget that calibration compares.
 
-    R ∈ {8, 16, 32, 64, 128} up to head_dim and half the budget; r fills the rest, rounded down to a
+    R ∈ {16, 32, 48, 64, 96, 128} up to head_dim and half the budget; r fills the rest, rounded down to a
     multiple of 16 (tile-aligned for MLA kernels) once it is 64 or more, and capped at the full rank. Where the
     budget is one of the serving target's MLA shapes (``plan_shapes``), r fills it exactly instead, and splits
     whose r would exceed the full rank are left out.
@@ -139,7 +139,7 @@ def shape_candidates(spec: SourceSpec, kv_keep: float, chosen: Target | None = N
     exact = chosen is not None and budget in chosen.mla_head_sizes
     default = plan_shapes(spec, None, kv_keep, None, chosen)
     candidates = {default.rope_dim: default}
-    for R in (8, 16, 32, 64, 128):
+    for R in (16, 32, 48, 64, 96, 128):
         if R <= min(spec.rotary_dim, budget // 2) and R not in candidates:
             r = budget - R
             if exact and r > model_full_rank(spec, R):

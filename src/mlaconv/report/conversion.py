@@ -71,6 +71,7 @@ class ShapeSearch(Record):
     candidates: list[SplitCandidate]
     chosen: str | None
     windows: dict[str, list[int]] | None = optional()
+    refine_steps: int | None = optional()  # each split's refinement steps before the comparison (0: none)
 
 
 @dataclass

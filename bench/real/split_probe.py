@@ -1,0 +1,105 @@
+"""Which (r, R) split of a --kv-keep budget is best once refined, and how few refinement steps tell.
+
+The (r, R) search of ``mlaconv convert --kv-keep`` compares the closed forms of its splits. On SmolLM2-135M at 50%
+the refinement then repairs the key side far more than the values (``loss_by_component``), so the closed forms rank
+the splits by what the refinement fixes anyway. This probe converts sampled layers of a source at every candidate
+split the way the conversion does (the calibrated, attention-weighted closed form on the bundled text's fit windows),
+refines each with the reduced CPU plan's steps (one window, an eighth of its positions, 3e-3) and records the mean
+relative attention error on the select windows after 0 (the closed form) and after each checkpoint's steps. The rows
+go to ``bench/results/real-split-probe.json`` (a rerun of a name replaces its rows).
+
+    python -m bench.real.split_probe --name smollm2-50 --kv-keep 0.5 --rope-dims 16,32,48,64
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch loads OpenMP, as the mlaconv command sets it: waiting threads sleep instead of spinning.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import replace  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from bench.lib.results import RESULTS, commit, write_result  # noqa: E402
+from bench.real.build import DEFAULT_OUT as SOURCE  # noqa: E402
+from mlaconv.conversion.calibrated import (REDUCED_REFINE_LR, calibrated_layer_options, calibration_streamer,  # noqa: E402
+                                           calibration_tokens, layer_run, step_queries, training_windows)
+from mlaconv.conversion.options import ConvertOptions  # noqa: E402
+from mlaconv.conversion.pipeline import source_layers  # noqa: E402
+from mlaconv.conversion.plan import kv_budget, plan_conversion, rope_strides  # noqa: E402
+from mlaconv.mla.attention import assemble, factor_attention  # noqa: E402
+from mlaconv.mla.refine import refine  # noqa: E402
+from mlaconv.progress import LineProgress  # noqa: E402
+
+
+def probe(source: Path, kv_keep: float, rope_dims: list[int], layers: list[int], checkpoints: list[int]) -> list[dict]:
+    """One row per candidate R: its rank and the mean select error over ``layers`` after each checkpoint's steps."""
+    plan = plan_conversion(str(source), ConvertOptions(kv_keep=kv_keep, heal_tokens=0))
+    _, budget = kv_budget(plan.spec, kv_keep, None, plan.target)
+    tokens = calibration_tokens(plan)
+    progress = LineProgress(sys.stderr)
+    strides = rope_strides(plan, rope_dims, progress)
+    options = {R: replace(calibrated_layer_options(plan.layer), rank=budget - R - (budget - R) % 16, rope_dim=R,
+                          rope_stride=strides[R], latent_weighting="attention") for R in rope_dims}
+    streamer = calibration_streamer(plan, tokens)
+    window = tokens.shape[1]
+    train_windows = training_windows(len(streamer.split.fit), window, plan.options.refine_tokens)
+    errors = {R: [[] for _ in (0, *checkpoints)] for R in rope_dims}
+    for source_layer in source_layers(plan.reader, plan.spec, streamer, progress, "probing splits"):
+        i, src = source_layer.index, source_layer.attention
+        if i not in layers:
+            continue
+        train, select = streamer.refinement_data(i, src, train_windows)
+        for R, layer in options.items():
+            run = layer_run(plan.spec, layer, window)
+            latent, _ = factor_attention(source_layer.linear, plan.shape, layer, source_layer.stats)
+            mla, _ = assemble(latent, plan.shape, layer, src.input_norm, source_layer.stats.metric)
+            error = streamer.attention_error(i, src, mla, run.rank, run.rope_dim, run.slot_frequencies,
+                                             run.residual_scale, windows="select")
+            errors[R][0].append(error)
+            done = 0
+            for k, steps in enumerate(checkpoints, start=1):
+                result = refine(latent, plan.shape, R, run.slot_frequencies, train, select, steps=steps - done,
+                                batch=1, check_every=steps - done, lr=REDUCED_REFINE_LR,
+                                queries=step_queries(window), before=error, seed=k)
+                latent, error, done = result.latent, result.after, steps
+                errors[R][k].append(error)
+            print(f"layer {i} R {R}: " + " ".join(f"{e[-1]:.4f}" for e in errors[R]), flush=True)
+    return [{"rank": options[R].rank, "rope_dim": R, "budget": budget,
+             "error": {str(steps): sum(e) / len(e) for steps, e in zip((0, *checkpoints), errors[R])}}
+            for R in rope_dims]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--kv-keep", type=float, required=True)
+    parser.add_argument("--rope-dims", default="16,32,48,64")
+    parser.add_argument("--layers", default="1,4,7,10,13,16,19,22,25,28")
+    parser.add_argument("--checkpoints", default="25,50,100,200")
+    parser.add_argument("--source", type=Path, default=SOURCE)
+    args = parser.parse_args()
+    checkpoints = [int(s) for s in args.checkpoints.split(",")]
+    layers = [int(s) for s in args.layers.split(",")]
+    start = time.monotonic()
+    rows = probe(args.source, args.kv_keep, [int(s) for s in args.rope_dims.split(",")], layers, checkpoints)
+    command = " ".join(["python -m bench.real.split_probe", *sys.argv[1:]])
+    minutes = (time.monotonic() - start) / 60
+    for row in rows:
+        row.update(run=args.name, layers=layers, minutes=minutes, commit=commit(), command=command)
+    path = RESULTS / "real-split-probe.json"
+    kept = [r for r in json.loads(path.read_text())["rows"] if r["run"] != args.name] if path.exists() else []
+    columns = [["run", "{run}"], ["r + R", "{rank} + {rope_dim}"],
+               *[[f"after {s} steps" if s else "closed form", f"{{error[{s}]:.4f}}"] for s in (0, *checkpoints)]]
+    print(write_result("real-split-probe", "real", kept + rows, columns, title=(
+        "SmolLM2-135M: mean relative attention error on the select windows of each (r, R) split, closed form and "
+        "after the reduced refinement's steps (sampled layers)")))
+
+
+if __name__ == "__main__":
+    main()

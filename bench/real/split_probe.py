@@ -71,7 +71,7 @@ def probe(source: Path, kv_keep: float, rope_dims: list[int], layers: list[int],
                 errors[R][k].append(error)
             print(f"layer {i} R {R}: " + " ".join(f"{e[-1]:.4f}" for e in errors[R]), flush=True)
     return [{"rank": options[R].rank, "rope_dim": R, "budget": budget,
-             "error": {str(steps): sum(e) / len(e) for steps, e in zip((0, *checkpoints), errors[R])}}
+             "error": {f"{steps} steps": sum(e) / len(e) for steps, e in zip((0, *checkpoints), errors[R])}}
             for R in rope_dims]
 
 
@@ -95,7 +95,7 @@ def main() -> None:
     path = RESULTS / "real-split-probe.json"
     kept = [r for r in json.loads(path.read_text())["rows"] if r["run"] != args.name] if path.exists() else []
     columns = [["run", "{run}"], ["r + R", "{rank} + {rope_dim}"],
-               *[[f"after {s} steps" if s else "closed form", f"{{error[{s}]:.4f}}"] for s in (0, *checkpoints)]]
+               *[[f"after {s} steps" if s else "closed form", f"{{error[{s} steps]:.4f}}"] for s in (0, *checkpoints)]]
     print(write_result("real-split-probe", "real", kept + rows, columns, title=(
         "SmolLM2-135M: mean relative attention error on the select windows of each (r, R) split, closed form and "
         "after the reduced refinement's steps (sampled layers)")))

@@ -1,12 +1,13 @@
 """Which (r, R) split of a --kv-keep budget is best once refined, and how few refinement steps tell.
 
-The (r, R) search of ``mlaconv convert --kv-keep`` compares the closed forms of its splits. On SmolLM2-135M at 50%
-the refinement then repairs the key side far more than the values (``loss_by_component``), so the closed forms rank
-the splits by what the refinement fixes anyway. This probe converts sampled layers of a source at every candidate
-split the way the conversion does (the calibrated, attention-weighted closed form on the bundled text's fit windows),
+In closed form the splits rank by the key side, which the refinement then repairs far more than the values
+(``loss_by_component``); this probe is what showed it, and why ``mlaconv convert --kv-keep`` compares its splits
+after ``SEARCH_REFINE_STEPS`` reduced-plan steps. It converts sampled layers of a source at every candidate split
+the way the conversion does (the calibrated, attention-weighted closed form on the bundled text's fit windows),
 refines each with the reduced CPU plan's steps (one window, an eighth of its positions, 3e-3) and records the mean
-relative attention error on the select windows after 0 (the closed form) and after each checkpoint's steps. The rows
-go to ``bench/results/real-split-probe.json`` (a rerun of a name replaces its rows).
+relative attention error on the select windows in closed form and after each checkpoint's steps
+(``calibrated.split_errors``, the search's own measurement). The rows go to ``bench/results/real-split-probe.json``
+(a rerun of a name replaces its rows).
 
     python -m bench.real.split_probe --name smollm2-50 --kv-keep 0.5 --rope-dims 16,32,48,64
 """
@@ -27,13 +28,11 @@ from pathlib import Path  # noqa: E402
 
 from bench.lib.results import RESULTS, commit, write_result  # noqa: E402
 from bench.real.build import DEFAULT_OUT as SOURCE  # noqa: E402
-from mlaconv.conversion.calibrated import (REDUCED_REFINE_LR, calibrated_layer_options, calibration_streamer,  # noqa: E402
-                                           calibration_tokens, layer_run, step_queries, training_windows)
+from mlaconv.conversion.calibrated import (calibrated_layer_options, calibration_streamer,  # noqa: E402
+                                           calibration_tokens, split_errors, training_windows)
 from mlaconv.conversion.options import ConvertOptions  # noqa: E402
 from mlaconv.conversion.pipeline import source_layers  # noqa: E402
 from mlaconv.conversion.plan import kv_budget, plan_conversion, rope_strides  # noqa: E402
-from mlaconv.mla.attention import assemble, factor_attention  # noqa: E402
-from mlaconv.mla.refine import refine  # noqa: E402
 from mlaconv.progress import LineProgress  # noqa: E402
 
 
@@ -56,18 +55,8 @@ def probe(source: Path, kv_keep: float, rope_dims: list[int], layers: list[int],
             continue
         train, select = streamer.refinement_data(i, src, train_windows)
         for R, layer in options.items():
-            run = layer_run(plan.spec, layer, window)
-            latent, _ = factor_attention(source_layer.linear, plan.shape, layer, source_layer.stats)
-            mla, _ = assemble(latent, plan.shape, layer, src.input_norm, source_layer.stats.metric)
-            error = streamer.attention_error(i, src, mla, run.rank, run.rope_dim, run.slot_frequencies,
-                                             run.residual_scale, windows="select")
-            errors[R][0].append(error)
-            done = 0
-            for k, steps in enumerate(checkpoints, start=1):
-                result = refine(latent, plan.shape, R, run.slot_frequencies, train, select, steps=steps - done,
-                                batch=1, check_every=steps - done, lr=REDUCED_REFINE_LR,
-                                queries=step_queries(window), before=error, seed=k)
-                latent, error, done = result.latent, result.after, steps
+            for k, error in enumerate(split_errors(plan, streamer, source_layer, layer, window, train, select,
+                                                   tuple(checkpoints))):
                 errors[R][k].append(error)
             print(f"layer {i} R {R}: " + " ".join(f"{e[-1]:.4f}" for e in errors[R]), flush=True)
     return [{"rank": options[R].rank, "rope_dim": R, "budget": budget,

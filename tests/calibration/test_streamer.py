@@ -360,7 +360,7 @@ def test_kv_keep_split_is_chosen_by_measured_error(tiny_model, tmp_path):
     src = tiny_model(kv_heads=2, head_dim=32, hidden=128, heads=4)
     write_tokens(tmp_path / "calib.jsonl", random_tokens(8, 48, 96, seed=8))
     report = convert(str(src), tmp_path / "out", ConvertOptions(kv_keep=0.5, verify=False, calib_window=48,
-                                                                calib=[str(tmp_path / "calib.jsonl")]))
+                                                                heal_tokens=0, calib=[str(tmp_path / "calib.jsonl")]))
     table = report.shape_search.candidates
     assert len(table) >= 2 and all(row.kv_lora_rank + row.qk_rope_head_dim <= 64 for row in table)
     best = min(table, key=lambda row: row.mean_attention_error)
@@ -390,6 +390,29 @@ def test_the_split_search_compares_refined_splits_unless_refinement_is_off(tiny_
     assert all(a.mean_attention_error <= b.mean_attention_error for a, b in pairs)
     assert sum(a.mean_attention_error for a, _ in pairs) < sum(b.mean_attention_error for _, b in pairs)
 
+
+def test_split_errors_refine_on_from_one_checkpoint_to_the_next(stories, stories_samples, tmp_path):
+    """``split_errors`` (the search's measurement, and the split probe's) gives the closed form's select error and
+    then each checkpoint's, the steps going on from the last checkpoint's latent: the errors never rise, and the
+    refinement lowers them."""
+    from mlaconv.conversion.calibrated import (calibrated_layer_options, calibration_streamer, calibration_tokens,
+                                               split_errors)
+    from mlaconv.conversion.pipeline import source_layers
+    from mlaconv.conversion.plan import plan_conversion
+
+    write_tokens(tmp_path / "calib.jsonl", stories_samples[:32])
+    plan = plan_conversion(str(stories), ConvertOptions(rank=24, rope_dim=4, rope_stride=1, calib_window=96,
+                                                        heal_tokens=0, calib=[str(tmp_path / "calib.jsonl")]))
+    tokens = calibration_tokens(plan)
+    streamer = calibration_streamer(plan, tokens)
+    layer = replace(calibrated_layer_options(plan.layer), latent_weighting="attention")
+    curves = []
+    for source in source_layers(plan.reader, plan.spec, streamer):
+        train, held = streamer.refinement_data(source.index, source.attention, len(streamer.split.fit))
+        curves.append(split_errors(plan, streamer, source, layer, tokens.shape[1], train, held, (20, 60)))
+    assert all(len(curve) == 3 for curve in curves)
+    assert all(a >= b >= c for a, b, c in curves)
+    assert sum(c[2] for c in curves) < sum(c[1] for c in curves) < sum(c[0] for c in curves)
 
 
 @pytest.mark.parametrize("sequential", ["outputs", "residual"])

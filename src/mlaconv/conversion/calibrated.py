@@ -128,16 +128,8 @@ def search_shapes(plan: Plan, tokens: torch.Tensor, steps: int, progress: Progre
     for source in source_layers(plan.reader, spec, streamer, progress, "choosing r and R"):
         train, held = streamer.refinement_data(source.index, source.attention, len(fit)) if steps else (None, None)
         for c, layer in layers.items():
-            latent, _ = factor_attention(source.linear, plan.shape, calibrated_layer_options(layer), source.stats)
-            mla, _ = assemble(latent, plan.shape, layer, source.attention.input_norm, source.stats.metric)
-            run = layer_run(spec, layer, window)
-            error = streamer.attention_error(source.index, source.attention, mla, run.rank, run.rope_dim,
-                                             run.slot_frequencies, run.residual_scale, windows="select")
-            if steps:
-                error = refine(latent, plan.shape, run.rope_dim, run.slot_frequencies, train, held, steps=steps,
-                               batch=1, check_every=steps, lr=REDUCED_REFINE_LR, queries=step_queries(window),
-                               before=error).after
-            errors[c] += error
+            errors[c] += split_errors(plan, streamer, source, calibrated_layer_options(layer), window, train, held,
+                                      (steps,) if steps else ())[-1]
     best = min(candidates, key=lambda c: errors[c])
     table = [SplitCandidate(c.rank, c.rope_dim, errors[c] / spec.num_layers) for c in candidates]
     whole, budget = kv_budget(spec, options.kv_keep, None, plan.target)
@@ -149,6 +141,25 @@ def search_shapes(plan: Plan, tokens: torch.Tensor, steps: int, progress: Progre
     chosen = ShapeChoice(rank=best.rank, rope_dim=best.rope_dim, reason=reason)
     return (replace(plan, shapes=chosen, layer=layers[best]),
             ShapeSearch(table, reason, {"fit": fit, "select": select}, refine_steps=steps))
+
+
+def split_errors(plan: Plan, streamer: SourceStreamer, source: SourceLayer, layer: LayerOptions, window: int,
+                 train: tuple | None, held: tuple | None, checkpoints: tuple[int, ...]) -> list[float]:
+    """One source layer converted at ``layer``'s (r, R) split: its relative attention error on the select windows
+    in closed form, then after each of ``checkpoints`` (a rising count of the reduced plan's steps on ``train``)."""
+    run = layer_run(plan.spec, layer, window)
+    latent, _ = factor_attention(source.linear, plan.shape, layer, source.stats)
+    mla, _ = assemble(latent, plan.shape, layer, source.attention.input_norm, source.stats.metric)
+    errors = [streamer.attention_error(source.index, source.attention, mla, run.rank, run.rope_dim,
+                                       run.slot_frequencies, run.residual_scale, windows="select")]
+    done = 0
+    for seed, steps in enumerate(checkpoints):
+        result = refine(latent, plan.shape, run.rope_dim, run.slot_frequencies, train, held, steps=steps - done,
+                        batch=1, check_every=steps - done, lr=REDUCED_REFINE_LR, queries=step_queries(window),
+                        before=errors[-1], seed=seed)
+        latent, done = result.latent, steps
+        errors.append(result.after)
+    return errors
 
 
 def search_steps(refinement: RefinementPlan) -> int:

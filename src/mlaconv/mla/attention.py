@@ -76,7 +76,8 @@ def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, opti
     """The stacked target [K_nope; V] and the row weights that choose its latent basis (step 2).
 
     Row weights are a vector (diagonal) for "balanced", a block-diagonal matrix for "attention" (from the NoPE
-    query of the source query rows ``q``); either way the K and V blocks are scaled to equal weighted energy.
+    query of the source query rows ``q``); either way the K and V blocks are scaled to equal weighted energy, then
+    the V block's energy by ``options.value_weight``.
     """
     target = torch.cat([k_nope, v], dim=0)
     if options.latent_weighting == "attention":
@@ -89,6 +90,7 @@ def latent_target(k_nope: torch.Tensor, v: torch.Tensor, stats: LayerStats, opti
     # it is scaled like the other block. "No energy" is relative to the rounding of the precision used.
     scale, empty = max(nk, nv, 1e-300), max(1e-9, 1e3 * torch.finfo(target.dtype).eps)
     nk, nv = (nk if nk > empty * scale else scale), (nv if nv > empty * scale else scale)
+    nv = nv / options.value_weight ** 0.5
     if options.latent_weighting == "attention":
         return target, torch.block_diag(key_weight / nk, value_weight / nv)
     return target, torch.cat([k_nope.new_ones(k_nope.shape[0]) / nk, v.new_ones(v.shape[0]) / nv])

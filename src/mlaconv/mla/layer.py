@@ -119,6 +119,7 @@ class LayerOptions:
     query_weighted_rope: bool = False  # weight each KV head's key energy by the query energy it serves
     latent_weighting: str = "balanced"  # "balanced": K and V blocks at equal energy; "attention": keys
     # weighted by the queries that read them (q·k is what matters), values by W_o (W_o·v is)
+    value_weight: float = 1.0  # the V block's weighted energy in the latent's basis, relative to the K block's
     residual_scale: float = 1.0  # α: rescales what o_proj writes into the residual stream
     delta: float = DEFAULT_DELTA  # tiny-latent bound on mean(c²)/ε
     biases: bool = True  # False: the output has no bias tensors (a serving target that ignores them); the

@@ -94,8 +94,9 @@ def main() -> None:
         row.update(run=args.name, layers=layers, minutes=minutes, commit=commit(), command=command)
     path = RESULTS / "real-split-probe.json"
     kept = [r for r in json.loads(path.read_text())["rows"] if r["run"] != args.name] if path.exists() else []
+    measured = sorted({int(key.split()[0]) for row in kept + rows for key in row["error"]})  # every run's checkpoints
     columns = [["run", "{run}"], ["r + R", "{rank} + {rope_dim}"], ["latent", "{variant}"],
-               *[[f"after {s} steps" if s else "closed form", f"{{error[{s} steps]:.4f}}"] for s in (0, *checkpoints)]]
+               *[[f"after {s} steps" if s else "closed form", f"{{error[{s} steps]:.4f}}"] for s in measured]]
     print(write_result("real-split-probe", "real", kept + rows, columns, title=(
         "SmolLM2-135M: mean relative attention error on the select windows of each (r, R) split, closed form and "
         "after the reduced refinement's steps (sampled layers)")))

@@ -96,15 +96,20 @@ def test_energy_retained_equals_measured_calibration_error(tiny_model):
         assert report.objective_retained == pytest.approx(factors.energy, abs=1e-12)
 
 
-def test_attention_weighted_latent_is_optimal_in_its_own_metric(tiny_model):
-    """The attention-weighted latent (keys weighted by the queries that read them, values by W_o) has the
-    least error in that weighted norm at every rank, equal to 1 − its energy; the balanced latent's is larger."""
+def first_layer_calibrated(tiny_model):
+    """A small GQA model's spec, its layer 0, that layer's calibration statistics and its attention shape."""
     src = tiny_model(kv_heads=2, head_dim=16, hidden=64)
     spec, reader = open_source(src)
     streamer = SourceStreamer(reader, spec, CalibrationOptions(random_tokens(8, 32, spec.vocab_size, seed=8)))
     attention = SourceWeights(reader, spec).attention(0)
     stats = streamer.stats(0, attention)
-    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    return spec, attention, stats, AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+
+
+def test_attention_weighted_latent_is_optimal_in_its_own_metric(tiny_model):
+    """The attention-weighted latent (keys weighted by the queries that read them, values by W_o) has the
+    least error in that weighted norm at every rank, equal to 1 − its energy; the balanced latent's is larger."""
+    spec, attention, stats, shape = first_layer_calibrated(tiny_model)
     balanced_options = LayerOptions(rank=1, rope_dim=8, rope_theta=spec.rope_theta, rope_stride=1)
     balanced = analyse_layer(attention, shape, balanced_options, stats)
     weighted = analyse_layer(attention, shape, replace(balanced_options, latent_weighting="attention"), stats)
@@ -140,12 +145,7 @@ def test_a_value_weight_spends_more_of_the_latent_on_the_values(tiny_model):
     the latent's basis keeps more of V and less of K."""
     from mlaconv.mla import metric as metric_math
 
-    src = tiny_model(kv_heads=2, head_dim=16, hidden=64)
-    spec, reader = open_source(src)
-    streamer = SourceStreamer(reader, spec, CalibrationOptions(random_tokens(8, 32, spec.vocab_size, seed=8)))
-    attention = SourceWeights(reader, spec).attention(0)
-    stats = streamer.stats(0, attention)
-    shape = AttentionShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    spec, attention, stats, shape = first_layer_calibrated(tiny_model)
     keys = shape.kv_heads * shape.head_dim
     for weighting in ("balanced", "attention"):
         options = LayerOptions(rank=6, rope_dim=8, rope_theta=spec.rope_theta, rope_stride=1, latent_weighting=weighting)

@@ -27,6 +27,7 @@ from mlaconv.io.text import TokenSource  # noqa: E402
 from mlaconv.progress import LineProgress  # noqa: E402
 
 BUCKETS = (512, 2048)
+WINDOW = 4096
 
 
 def main() -> None:
@@ -35,7 +36,7 @@ def main() -> None:
     parser.add_argument("--source", type=Path, default=SOURCE, help="the baseline (default: the built SmolLM2-135M)")
     parser.add_argument("--name", required=True, help="the result is bench/results/real-positions-NAME.json")
     parser.add_argument("--text", type=Path, required=True, help="the text whose windows are measured")
-    parser.add_argument("--window", type=int, default=4096)
+    parser.add_argument("--window", type=int, default=WINDOW)
     parser.add_argument("--max-windows", type=int, default=8)
     parser.add_argument("--title", default=None, help="one line on what was measured (default: from the arguments)")
     args = parser.parse_args()

@@ -43,3 +43,8 @@ def test_a_probe_row_states_its_passkey_answers_in_all_and_by_fifth_of_depth():
     assert row["passkey_text"] == "14/20 at 4096 (0/4 2/4 4/4 4/4 4/4), seed 1"
     again = heal_probe.parse(row["command"].split()[3:])
     assert (again.passkey, again.passkey_trials, again.passkey_seed) == (4096, 20, 1)
+    buckets = [{"start": 0, "end": 512, "drift": 0.058}, {"start": 512, "end": 2048, "drift": 0.0571},
+               {"start": 2048, "end": 4096, "drift": -0.076}]
+    row = heal_probe.probe_row("p", "unhealed-50", ["--tokens", "4096"], heal, 60.0, curve, by_position=buckets)
+    assert row["positions_text"] == "+5.8% / +5.7% / -7.6%" and "passkey" not in row
+    assert heal_probe.parse(row["command"].split()[3:]).positions

@@ -231,3 +231,62 @@ def test_layers_are_recomputed_when_a_window_would_not_fit(converted, tmp_path, 
     assert a.keys() == b.keys() and all(torch.allclose(a[n].float(), b[n].float(), rtol=1e-5, atol=0) for n in a)
     key = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(a[key], tensors(folder)[key])  # it healed
+
+
+def test_skipped_positions_spread_each_window_over_the_span_in_two_chunks():
+    positions = heal_run.skipped_positions(200, 24, 256, seed=3)
+    assert positions.shape == (200, 24) and torch.equal(positions, heal_run.skipped_positions(200, 24, 256, seed=3))
+    assert not torch.equal(positions, heal_run.skipped_positions(200, 24, 256, seed=4))
+    assert (positions[:, 0] == 0).all() and (positions[:, -1] <= 255).all()
+    steps = positions.diff(dim=1)
+    assert ((steps == 1).sum(1) >= 22).all() and (steps >= 1).all()  # one skip at most, never backwards
+    skips = positions[:, -1] - 23
+    assert skips.min() < 20 and skips.max() > 210  # spread from no skip to the whole span
+
+
+def test_position_spanned_healing_trains_source_and_model_at_the_same_positions(converted, tmp_path, monkeypatch):
+    """``heal --position-span``: the source's targets on the training windows are its distributions at the skipped
+    positions (recomputed here through transformers' own model), not at 0 … S − 1, and every training forward of the
+    model being trained gets the same windows' positions; the select windows stay at their own."""
+    from transformers import AutoModelForCausalLM
+
+    src, folder, ids = converted
+    captured, seen = {}, []
+    original = heal_run.teacher_targets
+
+    def capturing(model, windows, top_k, progress, label, positions=None):
+        targets = original(model, windows, top_k, progress, label, positions)
+        captured[label] = (windows, targets)
+        return targets
+
+    def observe(step, model):
+        if step == 0:
+            model.model.register_forward_pre_hook(
+                lambda module, args, kwargs: seen.append((kwargs.get("position_ids"), kwargs.get("attention_mask"))),
+                with_kwargs=True)
+
+    monkeypatch.setattr(heal_run, "teacher_targets", capturing)
+    report = run_heal(src, folder, ids, tmp_path / "spanned", observe=observe, position_span=400)
+    assert report.position_span == 400
+    windows, targets = captured["source on the training windows"]
+    assert torch.equal(targets.positions, heal_run.skipped_positions(len(windows), 24, 400, seed=0))
+    assert captured["source on the select windows"][1].positions is None
+    source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    k = int(targets.positions.diff(dim=1).max(1).values.argmax())  # the window with the longest skip
+    split = int((targets.positions[k].diff() > 1).nonzero()[0, 0]) + 1
+    window, positions, top_k = windows[k: k + 1], targets.positions[k: k + 1], targets.logp.shape[-1]
+    with torch.no_grad():  # with the first chunk in view, at the skipped positions; at 0 … S − 1; the second chunk alone
+        at = source(window, position_ids=positions, attention_mask=torch.ones_like(window)).logits.log_softmax(-1)
+        plain = source(window).logits.log_softmax(-1)
+        alone = source(window[:, split:], position_ids=positions[:, split:]).logits.log_softmax(-1)
+    assert torch.allclose(at.topk(top_k).values, targets.logp[k], atol=1e-5)
+    assert not torch.allclose(plain.topk(top_k).values, targets.logp[k], atol=1e-3)
+    assert not torch.allclose(alone.topk(top_k).values, targets.logp[k, split:], atol=1e-3)
+    trained = [(ids, mask) for ids, mask in seen if ids is not None]
+    assert len(trained) == report.steps * report.batch
+    rows = {tuple(row.tolist()) for row in targets.positions}
+    assert all(tuple(ids[0].tolist()) in rows and bool(mask.all()) for ids, mask in trained)
+    refused = CliRunner().invoke(app, ["heal", "--json", str(folder), "--source", str(src), "--calib", str(ids),
+                                       "--out", str(tmp_path / "bad"), "--window", "24", "--position-span", "16"])
+    assert refused.exit_code == 1 and "--position-span must be at least --window (24)" in refused.stdout
+    assert not (tmp_path / "bad").exists()

@@ -38,6 +38,9 @@ def heal(
     written: Optional[int] = typer.Option(None, "--written", help="Also train on this many tokens of text the "
                                           f"source writes itself (sampled from it, seeded; default {WRITTEN_TOKENS:,}, "
                                           "at most as many as the calibration tokens trained on; 0: none)."),
+    position_span: Optional[int] = typer.Option(None, "--position-span", help="Place each training window at "
+                                                "positions spread over this many, in two chunks with a seeded skip "
+                                                "between (PoSE), so short windows train long distances."),
     check_every: int = typer.Option(CHECK_EVERY, "--check-every", help="Steps between measurements on the select "
                                                                        "windows (the best is kept)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when torch sees a GPU)."),
@@ -68,7 +71,8 @@ def heal(
         if data is None:
             raise MlaconvError(f"{source} has no tokenizer to read the bundled text with: give --calib FILE.jsonl")
         options = HealOptions(tokens=tokens, window=window, batch=batch, lr=lr, schedule=lr_schedule, top_k=top_k,
-                              check_every=check_every, device=device or default_device(), written_tokens=written)
+                              check_every=check_every, device=device or default_device(), written_tokens=written,
+                              position_span=position_span)
         with progress(quiet) as track:
             report = run_heal(model, source, out or model, data, options, force=force, progress=track)
         render_report(report, report_console(json_out))

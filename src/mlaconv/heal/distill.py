@@ -70,6 +70,7 @@ class HealOptions:
     seed: int = 0
     written_tokens: int | None = None  # tokens of text the source writes itself (``generate``), added to the training
     # windows (None: ``default_written``; 0: none)
+    position_span: int | None = None  # training windows placed at positions spread over this many (``skipped_positions``)
 
 
 @dataclass
@@ -78,20 +79,44 @@ class Targets:
 
     logp: torch.Tensor  # [W, S, k] float32
     ids: torch.Tensor  # [W, S, k] int64
+    positions: torch.Tensor | None = None  # [W, S] the windows' position ids (None: 0 … S − 1)
+
+    def placement(self, k: int, device) -> dict:
+        """The keyword arguments that run window ``k`` at its positions (none at 0 … S − 1)."""
+        return {} if self.positions is None else placed(self.positions[k], device)
+
+
+def placed(positions: torch.Tensor, device) -> dict:
+    """``position_ids`` [1, S] with an all-ones attention mask: without a mask transformers reads a jump in the
+    positions as the start of another packed sequence and would hide the first chunk from the second."""
+    return {"position_ids": positions[None].to(device), "attention_mask": torch.ones_like(positions[None], device=device)}
+
+
+def skipped_positions(windows: int, length: int, span: int, seed: int) -> torch.Tensor:
+    """Position ids [windows, length] that spread each window over ``span`` positions (PoSE, Zhu et al. 2023): the
+    window in two chunks at a seeded split, the second shifted by a seeded skip in [0, span − length], so that a short
+    window trains query–key distances up to ``span`` without the memory of a window that long."""
+    generator = torch.Generator().manual_seed(seed)
+    split = torch.randint(1, length, (windows, 1), generator=generator)
+    skip = torch.randint(0, span - length + 1, (windows, 1), generator=generator)
+    steps = torch.arange(length)[None]
+    return steps + torch.where(steps >= split, skip, 0)
 
 
 def teacher_targets(model, windows: torch.Tensor, top_k: int, progress: Progress = no_progress,
-                    label: str = "source distributions") -> Targets:
-    """The top-k log-probabilities of ``model`` at every position of ``windows`` [W, S], one window at a time."""
+                    label: str = "source distributions", positions: torch.Tensor | None = None) -> Targets:
+    """The top-k log-probabilities of ``model`` at every position of ``windows`` [W, S], one window at a time, at
+    ``positions`` [W, S] when given."""
     logp, ids = [], []
     device = next(model.parameters()).device
     with torch.inference_mode():
-        for window in progress(windows, label, len(windows)):
-            scores = model(window[None].to(device), use_cache=False).logits[0].float().log_softmax(-1)
+        for k, window in enumerate(progress(windows, label, len(windows))):
+            place = {} if positions is None else placed(positions[k], device)
+            scores = model(window[None].to(device), **place, use_cache=False).logits[0].float().log_softmax(-1)
             values, indices = scores.topk(top_k, dim=-1)
             logp.append(values.cpu())
             ids.append(indices.cpu())
-    return Targets(torch.stack(logp), torch.stack(ids))
+    return Targets(torch.stack(logp), torch.stack(ids), positions)
 
 
 def sparse_kl(logits: torch.Tensor, logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -225,7 +250,8 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
             if not order:
                 order = torch.randperm(len(train_windows), generator=generator).tolist()
             k = order.pop()
-            logits = model(train_windows[k][None].to(device), use_cache=False).logits[0]
+            logits = model(train_windows[k][None].to(device), **train_targets.placement(k, device),
+                           use_cache=False).logits[0]
             loss = sparse_kl(logits, train_targets.logp[k].to(device), train_targets.ids[k].to(device))
             (loss / (options.batch * train_windows.shape[1])).backward()
             tokens += train_windows.shape[1]
@@ -272,5 +298,7 @@ def check_options(options: HealOptions) -> None:
         raise MlaconvError("--window must be ≥ 2 and --batch, --top-k and --check-every ≥ 1")
     if not (0 < options.lr < 1) or not math.isfinite(options.lr):
         raise MlaconvError(f"--lr must be in (0, 1), got {options.lr}")
+    if options.position_span is not None and options.position_span < options.window:
+        raise MlaconvError(f"--position-span must be at least --window ({options.window}), got {options.position_span}")
     if options.schedule not in SCHEDULES:
         raise MlaconvError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {options.schedule!r}")

@@ -18,8 +18,8 @@ from mlaconv.calibration.windows import CalibrationData, cut_windows, drawn_wind
 from mlaconv.errors import MlaconvError
 from mlaconv.devices import free_memory_bytes
 from mlaconv.heal.distill import (HELD_WINDOWS, RECOMPUTE_SHARE, STEP_COST, TRAINED, HealOptions, Observer,
-                                  activation_bytes, check_options, default_tokens, default_written, teacher_targets,
-                                  train)
+                                  activation_bytes, check_options, default_tokens, default_written, skipped_positions,
+                                  teacher_targets, train)
 from mlaconv.heal.generate import written_windows
 from mlaconv.io import atomic_output_dir, check_output_target
 from mlaconv.io.models import load_causal_lm
@@ -139,8 +139,10 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     select_targets = teacher_targets(teacher, select, options.top_k, progress, "source on the select windows")
     seconds_per_token = (time.perf_counter() - timed) / select.numel()
     estimate = seconds_per_token * window * (len(train_ids) + steps * options.batch * STEP_COST)
+    positions = None if options.position_span is None else skipped_positions(
+        len(train_ids), window, options.position_span, options.seed)
     train_targets = teacher_targets(teacher, train_pool[train_ids], options.top_k, progress,
-                                    "source on the training windows")
+                                    "source on the training windows", positions)
     del teacher
 
     before = _held_out_figures(folder, source, held, progress)
@@ -162,7 +164,7 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     after = _held_out_figures(into, source, held, progress)
     return HealReport(
         source=str(source), calibration_data=data.description, window=window, batch=options.batch, lr=options.lr,
-        lr_schedule=options.schedule,
+        lr_schedule=options.schedule, position_span=options.position_span,
         top_k=options.top_k, device=options.device, trained=[f"self_attn.{name}" for name in TRAINED],
         tokens=steps * options.batch * window, steps=steps, best_step=training.best_step,
         data_window=data.windows.shape[1], train_windows=data.train, select_windows=data.select,

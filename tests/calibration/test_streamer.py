@@ -384,7 +384,8 @@ def test_kv_keep_split_is_chosen_by_measured_error(tiny_model, tmp_path):
     src = tiny_model(kv_heads=2, head_dim=32, hidden=128, heads=4)
     write_tokens(tmp_path / "calib.jsonl", random_tokens(8, 48, 96, seed=8))
     report = convert(str(src), tmp_path / "out", ConvertOptions(kv_keep=0.5, verify=False, calib_window=48,
-                                                                heal_tokens=0, calib=[str(tmp_path / "calib.jsonl")]))
+                                                                heal_tokens=0, calib=[str(tmp_path / "calib.jsonl")],
+                                                                context=32))  # every split passes (test_served_context)
     table = report.shape_search.candidates
     assert len(table) >= 2 and all(row.kv_lora_rank + row.qk_rope_head_dim <= 64 for row in table)
     best = min(table, key=lambda row: row.mean_attention_error)
@@ -403,7 +404,7 @@ def test_the_split_search_compares_refined_splits_unless_refinement_is_off(tiny_
     searches = {}
     for steps in (None, 0):
         options = ConvertOptions(kv_keep=0.5, verify=False, calib_window=48, calib=[str(tmp_path / "calib.jsonl")],
-                                 refine_steps=steps, heal_tokens=0)
+                                 refine_steps=steps, heal_tokens=0, context=32)
         searches[steps] = convert(str(src), tmp_path / f"out-{steps}", options).shape_search
     refined, closed = searches[None], searches[0]
     assert (refined.refine_steps, closed.refine_steps) == (SEARCH_REFINE_STEPS, 0)

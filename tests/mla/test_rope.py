@@ -303,3 +303,16 @@ def test_unrotation_loss_is_the_expected_score_error_over_the_attention_profile(
     assert 0 < loss.recovered < 1
     nothing_lost = rope.unrotation_loss(query, key, torch.zeros_like(key), mean)
     assert (nothing_lost.compensated, nothing_lost.uncompensated, nothing_lost.recovered) == (0.0, 0.0, 1.0)
+
+
+def test_folded_turn_and_least_rope_dim_by_hand():
+    """SmolLM2-135M's rotary frequencies (θ = 10⁵, head_dim 64), written out here: ω_i = θ^(-2i/64)."""
+    from mlaconv.mla.rope import folded_turn, least_rope_dim
+
+    freqs = torch.tensor([1e5 ** (-2 * i / 64) for i in range(32)], dtype=torch.float64)
+    assert folded_turn(freqs, 64, 1, 8192) == 0.0  # every frequency kept
+    assert folded_turn(freqs, 48, 1, 4096) == pytest.approx(1e5 ** -0.75 * 4096)  # ω_24, the fastest folded: 0.73
+    assert folded_turn(freqs, 32, 2, 2048) == pytest.approx(1e5 ** (-2 / 64) * 2048)  # stride 2 folds ω_1
+    assert least_rope_dim(freqs, 2048, 0.4) == 48  # ω_23·2048 = 0.52 turns, ω_24·2048 = 0.36 does not
+    assert least_rope_dim(freqs, 8192, 0.4) == 56  # ω_27·8192 = 0.46, ω_28·8192 = 0.26
+    assert least_rope_dim(freqs, 1, 0.4) == 6 and least_rope_dim(freqs, 1, 1.0) == 0  # ω_2 = 0.49, ω_0 = 1

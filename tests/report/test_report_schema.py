@@ -33,7 +33,7 @@ def reports(tmp_path_factory):
     ids = write_tokens(tmp / "eval.jsonl", random_tokens(4, 32, 96, seed=2))
     converted = convert(str(src), tmp / "out", ConvertOptions(
         kv_keep=0.5, calib=[str(calib)], calib_window=24, refine_steps=2, target="transformers",
-        eval_tokens=str(ids)))
+        eval_tokens=str(ids), context=24))  # a served context short enough for two splits to be compared
     spectra = inspect_spectra(str(src), SpectraOptions(kv_keep=0.5, calib=[str(calib)], calib_window=24))
     return converted, spectra
 

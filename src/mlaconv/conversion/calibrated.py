@@ -22,7 +22,8 @@ from mlaconv.calibration.windows import WindowSplit, load_calibration_tokens, sp
 from mlaconv.conversion.pipeline import LayerStep, SourceLayer, source_layers
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.pipelines import Pipeline, PipelineSections, register
-from mlaconv.conversion.plan import Plan, ShapeChoice, kv_budget, rope_strides, shape_candidates, with_rope_stride
+from mlaconv.conversion.plan import (FOLD_TURN, Plan, ShapeChoice, kv_budget, rope_strides, served_context,
+                                    shape_candidates, with_rope_stride)
 from mlaconv.errors import MlaconvError
 from mlaconv.mla import rope
 from mlaconv.mla.attention import assemble, factor_attention, latent_errors
@@ -107,18 +108,21 @@ def search_shapes(plan: Plan, tokens: torch.Tensor, steps: int, progress: Progre
     first, refined R = 48 is better, and so is the whole model it makes (bench/real/README.md). Returns the plan with
     those shapes and the table behind the choice.
     """
-    options = plan.options
-    candidates = [c for c in shape_candidates(plan.spec, options.kv_keep, plan.target)
-                  if options.rope_stride is None or options.rope_stride in rope.strides(plan.spec.rotary_dim, c.rope_dim)]
+    options, spec = plan.options, plan.spec
+    context = served_context(spec, options)
+    candidates = [c for c in shape_candidates(spec, options.kv_keep, plan.target, context)
+                  if options.rope_stride is None or options.rope_stride in rope.strides(spec.rotary_dim, c.rope_dim)]
     if not candidates:
         raise MlaconvError(f"--rope-stride {options.rope_stride} fits none of the rope dims this budget allows")
-    if len(candidates) == 1 and candidates[0] == plan.shapes:
-        return plan, ShapeSearch([], None)
-    spec = plan.spec
     strides = ({c.rope_dim: plan.layer.rope_stride for c in candidates} if plan.layer.rope_stride is not None else
                rope_strides(plan, [c.rope_dim for c in candidates], progress))
+    candidates, reach = served_candidates(spec, candidates, strides, context)
     layers = {c: replace(plan.layer, rank=c.rank, rope_dim=c.rope_dim, rope_stride=strides[c.rope_dim])
               for c in candidates}
+    if len(candidates) == 1:
+        only = candidates[0]
+        chosen = ShapeChoice(rank=only.rank, rope_dim=only.rope_dim, reason=f"{only.rank} + {only.rope_dim}: {reach}")
+        return replace(plan, shapes=chosen, layer=layers[only]), ShapeSearch([], chosen.reason, context=context)
     split = split_windows(tokens.shape[0])
     fit, select = list(split.fit[:SEARCH_FIT_WINDOWS]), list(split.select)
     streamer = calibration_streamer(plan, tokens[fit + select], WindowSplit(
@@ -137,10 +141,29 @@ def search_shapes(plan: Plan, tokens: torch.Tensor, steps: int, progress: Progre
     compared = f"after {steps} refinement steps" if steps else "in closed form"
     reason = (f"{best.rank} + {best.rope_dim} of a budget of {whole} elements{held_to}: the least mean attention error "
               f"({errors[best] / spec.num_layers:.4f}) of {len(candidates)} splits {compared}, factored on {len(fit)} "
-              f"fit windows and measured on {len(select)} select windows")
+              f"fit windows and measured on {len(select)} select windows; {reach}")
     chosen = ShapeChoice(rank=best.rank, rope_dim=best.rope_dim, reason=reason)
     return (replace(plan, shapes=chosen, layer=layers[best]),
-            ShapeSearch(table, reason, {"fit": fit, "select": select}, refine_steps=steps))
+            ShapeSearch(table, reason, {"fit": fit, "select": select}, refine_steps=steps, context=context))
+
+
+def served_candidates(spec: SourceSpec, candidates: list[ShapeChoice], strides: dict[int, int], context: int
+                      ) -> tuple[list[ShapeChoice], str]:
+    """The splits whose folded frequencies turn by at most FOLD_TURN over the served ``context`` (each keeps the
+    rest of its rotation at the mean the calibration windows measured, which holds only while it turns little), or
+    where none does the ones that fold the least-turning; and a line on what was left out."""
+    freqs = spec.rope_frequencies(context)
+    turns = {c: rope.folded_turn(freqs, c.rope_dim, strides[c.rope_dim], context) for c in candidates}
+    kept = [c for c in candidates if turns[c] <= FOLD_TURN] or [c for c in candidates if turns[c] == min(turns.values())]
+    left = [c for c in candidates if c not in kept]
+    line = f"served context {context:,} tokens"
+    if left:
+        line += (f"; left out: {', '.join(f'R = {c.rope_dim}' for c in left)}, whose folded frequencies turn by up to "
+                 f"{max(turns[c] for c in left):.2f} rad over it (more than {FOLD_TURN}; --context to serve less)")
+    if turns[kept[0]] > FOLD_TURN:
+        line += (f"; no split of this budget keeps every frequency that turns more than {FOLD_TURN} rad over it: this "
+                 f"one folds frequencies turning {turns[kept[0]]:.2f} rad, so attention far back is approximated")
+    return kept, line
 
 
 def split_errors(plan: Plan, streamer: SourceStreamer, source: SourceLayer, layer: LayerOptions, window: int,

@@ -93,6 +93,9 @@ class ConvertOptions:
     calib_tokens: int = option(65536, "Calibration tokens (default 65536).", int, recipe=(int,), spectra=True)
     calib_window: int = option(2048, "Calibration window length (default 2048, capped at the context).", int,
                                recipe=(int,), spectra=True)
+    context: int | None = option(None, "The longest context the output will serve (default: the source's "
+                                       "max_position_embeddings): --kv-keep's split folds into the latent only rotary "
+                                       "frequencies that turn little over it.", int, recipe=(int,))
     calib_batch_size: int = option(4, "Calibration windows per forward batch.", recipe=(int,))
     device: str | None = option(None, "Where calibration and refinement run (default: cuda when torch sees a GPU, else "
                                       "cpu), and, when given, the --eval-* evaluation too: cpu, cuda, cuda:1 …", str,

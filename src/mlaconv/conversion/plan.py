@@ -37,6 +37,10 @@ GENERAL_TEXT_DESCRIPTION = ("mlaconv's bundled general text (data/general.txt: 5
                             "data/general.md)")
 
 DEFAULT_ROPE_DIM = 64
+FOLD_TURN = 0.4  # radians: the --kv-keep split folds into the latent (at its calibrated mean rotation) only
+# frequencies that turn by at most this over the served context. On SmolLM2-135M at 50%, 144 + 48 folds frequencies
+# that turn ≤ 0.36 over the 2,048-token calibration windows and is better than 128 + 64 up to 2K tokens, worse past
+# it where they turn up to 0.73 (development text by position, bench/real/README.md)
 
 
 @dataclass(frozen=True)
@@ -127,10 +131,17 @@ def model_full_rank(spec: SourceSpec, rope_dim: int) -> int:
     return full_rank(spec.attention_shape, rope_dim if all(spec.rope_layers) else 0)
 
 
-def shape_candidates(spec: SourceSpec, kv_keep: float, chosen: Target | None = None) -> list[ShapeChoice]:
+def served_context(spec: SourceSpec, options: ConvertOptions) -> int:
+    """The longest context the converted model is meant to serve: --context, else the source's."""
+    return options.context or spec.max_position_embeddings
+
+
+def shape_candidates(spec: SourceSpec, kv_keep: float, chosen: Target | None = None,
+                     context: int | None = None) -> list[ShapeChoice]:
     """The (r, R) splits of a --kv-keep budget that calibration compares.
 
-    R ∈ {16, 32, 48, 64, 96, 128} up to head_dim and half the budget; r fills the rest, rounded down to a
+    R ∈ {16, 32, 48, 64, 96, 128}, and with a served ``context`` the least R that folds no frequency turning by
+    more than FOLD_TURN over it (rounded up to a multiple of 16, as r is), up to head_dim and half the budget; r fills the rest, rounded down to a
     multiple of 16 (tile-aligned for MLA kernels) once it is 64 or more, and capped at the full rank. Where the
     budget is one of the serving target's MLA shapes (``plan_shapes``), r fills it exactly instead, and splits
     whose r would exceed the full rank are left out.
@@ -139,8 +150,9 @@ def shape_candidates(spec: SourceSpec, kv_keep: float, chosen: Target | None = N
     exact = chosen is not None and budget in chosen.mla_head_sizes
     default = plan_shapes(spec, None, kv_keep, None, chosen)
     candidates = {default.rope_dim: default}
-    for R in (16, 32, 48, 64, 96, 128):
-        if R <= min(spec.rotary_dim, budget // 2) and R not in candidates:
+    served = [] if context is None else [-(-rope.least_rope_dim(spec.rope_frequencies(context), context, FOLD_TURN) // 16) * 16]
+    for R in sorted({16, 32, 48, 64, 96, 128, *served}):
+        if 0 < R <= min(spec.rotary_dim, budget // 2) and R not in candidates:
             r = budget - R
             if exact and r > model_full_rank(spec, R):
                 continue
@@ -267,6 +279,8 @@ def plan_conversion(source: str, options: ConvertOptions, every_rank: bool = Fal
         raise MlaconvError(f"--absorbed is refused for this model: {LONGROPE_REFUSAL}")
     if options.calib_tokens < 1:
         raise MlaconvError(f"--calib-tokens must be positive, got {options.calib_tokens}")
+    if options.context is not None and options.context < 1:
+        raise MlaconvError(f"--context must be positive, got {options.context}")
     if options.heal_tokens and calibration is None:
         raise MlaconvError("--heal-tokens trains on calibration data: give --calib (or drop --weights-only)")
     if options.heal_tokens is not None and options.heal_tokens < 0:

@@ -104,6 +104,21 @@ def kept_frequencies(rope_dim: int, stride: int) -> torch.Tensor:
     return torch.arange(rope_dim // 2) * stride
 
 
+def folded_turn(freqs: torch.Tensor, rope_dim: int, stride: int, context: int) -> float:
+    """The most any frequency the R/2 slots leave out (folded into the latent at its mean rotation) turns over
+    ``context`` positions, in radians: ω·context, 0 when every frequency is kept. freqs [d/2], fastest first."""
+    folded = torch.ones(len(freqs), dtype=torch.bool)
+    folded[kept_frequencies(rope_dim, stride)] = False
+    return float(freqs[folded].max() * context) if folded.any() else 0.0
+
+
+def least_rope_dim(freqs: torch.Tensor, context: int, turn: float) -> int:
+    """The least R whose stride-1 slots keep every frequency that turns by more than ``turn`` radians over
+    ``context`` positions (the slowest are the ones folded). freqs [d/2], fastest first."""
+    turning = (freqs * context > turn).nonzero()
+    return 2 * (int(turning.max()) + 1) if len(turning) else 0
+
+
 @dataclass(frozen=True)
 class RopeChoice:
     """Which source frequencies fill the R/2 slots, and the energy bookkeeping behind the choice."""

@@ -72,6 +72,7 @@ class ShapeSearch(Record):
     chosen: str | None
     windows: dict[str, list[int]] | None = optional()
     refine_steps: int | None = optional()  # each split's refinement steps before the comparison (0: none)
+    context: int | None = optional()  # the served context the splits were held to (``calibrated.served_candidates``)
 
 
 @dataclass

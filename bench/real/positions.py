@@ -38,11 +38,14 @@ def main() -> None:
     parser.add_argument("--text", type=Path, required=True, help="the text whose windows are measured")
     parser.add_argument("--window", type=int, default=WINDOW)
     parser.add_argument("--max-windows", type=int, default=8)
+    parser.add_argument("--buckets", default=",".join(map(str, BUCKETS)),
+                        help="where the position buckets start after 0 (default 512,2048)")
     parser.add_argument("--title", default=None, help="one line on what was measured (default: from the arguments)")
     args = parser.parse_args()
 
     report = evaluate_perplexity(args.model, args.source, source=TokenSource(text=args.text), window=args.window,
-                                 max_windows=args.max_windows, position_buckets=BUCKETS,
+                                 max_windows=args.max_windows,
+                                 position_buckets=tuple(int(start) for start in args.buckets.split(",")),
                                  progress=LineProgress(sys.stderr))
     for bucket in report.by_position:
         print(f"tokens {bucket.start:>5}–{bucket.end:<5} drift {bucket.drift:+.1%} ± {bucket.drift_stderr:.1%}, "

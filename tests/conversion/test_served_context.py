@@ -32,7 +32,8 @@ def test_splits_that_fold_turning_frequencies_over_the_served_context_are_left_o
     report = convert(str(src), tmp_path / "served", ConvertOptions(**options))
     served = report.shape_search
     assert served.context == 256 and served.candidates == [] and report.qk_rope_head_dim == 32
-    assert f"left out: R = 16, whose folded frequencies turn by up to {turn(8, 256):.2f} rad" in served.chosen
+    assert f"left out, as their folded frequencies turn by more than {FOLD_TURN} rad over it: R = 16 " \
+           f"({turn(8, 256):.2f} rad)" in served.chosen
     # 16 positions: ω_8·16 = 0.16, so every split passes
     short = convert(str(src), tmp_path / "short", ConvertOptions(**options, context=16)).shape_search
     assert short.context == 16 and sorted(c.qk_rope_head_dim for c in short.candidates) == [16, 32]

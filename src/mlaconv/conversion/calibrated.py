@@ -105,8 +105,9 @@ def search_shapes(plan: Plan, tokens: torch.Tensor, steps: int, progress: Progre
     ``steps`` of the reduced plan's steps (none: the closed forms are compared) and sums the relative
     attention-output errors; the split with the least total wins. The splits are compared refined because the
     refinement repairs the key side far more than the values: on SmolLM2-135M at 50% the closed forms rank R = 64
-    first, refined R = 48 is better, and so is the whole model it makes (bench/real/README.md). Returns the plan with
-    those shapes and the table behind the choice.
+    first, refined R = 48 is better, and so is the whole model it makes (bench/real/README.md). Only splits that hold
+    over the served context are compared (``served_candidates``); with one left it is kept unmeasured. Returns the
+    plan with those shapes and the table behind the choice.
     """
     options, spec = plan.options, plan.spec
     context = served_context(spec, options)
@@ -158,8 +159,8 @@ def served_candidates(spec: SourceSpec, candidates: list[ShapeChoice], strides: 
     left = [c for c in candidates if c not in kept]
     line = f"served context {context:,} tokens"
     if left:
-        line += (f"; left out: {', '.join(f'R = {c.rope_dim}' for c in left)}, whose folded frequencies turn by up to "
-                 f"{max(turns[c] for c in left):.2f} rad over it (more than {FOLD_TURN}; --context to serve less)")
+        line += (f"; left out, as their folded frequencies turn by more than {FOLD_TURN} rad over it: "
+                 f"{', '.join(f'R = {c.rope_dim} ({turns[c]:.2f} rad)' for c in left)} (--context to serve less)")
     if turns[kept[0]] > FOLD_TURN:
         line += (f"; no split of this budget keeps every frequency that turns more than {FOLD_TURN} rad over it: this "
                  f"one folds frequencies turning {turns[kept[0]]:.2f} rad, so attention far back is approximated")

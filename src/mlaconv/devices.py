@@ -30,6 +30,24 @@ def free_memory_bytes(device: str | None) -> int:
     return available_memory_bytes()
 
 
+def computes_bfloat16(device: str) -> bool:
+    """Whether ``device`` multiplies in bfloat16 natively: a CUDA GPU that supports it, or a CPU with AVX512-BF16 or
+    AMX. Elsewhere torch emulates bfloat16, slower than float32."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if kind == "cpu":
+        checks = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+        return any(check is not None and check() for check in checks)
+    return False
+
+
+def computing(device: torch.device, precision: str | None):
+    """The context a forward pass runs in at ``precision``: bfloat16 autocast (the weights stay as they are), or none
+    for float32 (and None)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16")
+
+
 def default_device() -> str:
     """Where calibration runs unless told: the GPU when torch sees one, else the CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"

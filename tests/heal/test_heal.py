@@ -122,9 +122,52 @@ def test_bad_input_is_refused_in_one_line(converted, tmp_path, tiny_model):
     assert "less than one step" in refused(folder, "--source", src, "--calib", ids, "--out", tmp_path / "z",
                                            "--tokens", 5)["error"]
     assert "no tokenizer" in refused(folder, "--source", src, "--out", tmp_path / "w")["error"]
+    assert "--precision must be one of" in refused(folder, "--source", src, "--calib", ids, "--out", tmp_path / "u",
+                                                   "--precision", "float16")["error"]
     with pytest.raises(MlaconvError, match="windows"):
         run_heal(src, folder, sampled_ids(tmp_path / "few.jsonl", count=3), tmp_path / "v")
-    assert not any((tmp_path / name).exists() for name in "xyzwv")
+    assert not any((tmp_path / name).exists() for name in "xyzwvu")
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float32"])
+def test_healing_in_either_precision_heals_and_says_which(converted, tmp_path, precision):
+    src, folder, ids = converted
+    report = run_heal(src, folder, ids, tmp_path / precision, precision=precision)
+    assert report.precision == precision
+    assert report.held_out_after.kl < 0.9 * report.held_out_before.kl, (report.held_out_before, report.held_out_after)
+    written = json.loads((tmp_path / precision / "mlaconv.json").read_text())
+    assert written["heal"]["precision"] == precision
+
+
+def test_a_conversion_passes_its_healing_precision_on(tiny_model, tmp_path):
+    src = tiny_model(kv_heads=2, head_dim=16, layers=2)
+    ids = sampled_ids(tmp_path / "ids.jsonl")
+    options = dict(rank=8, rope_dim=8, calib=[str(ids)], calib_tokens=48 * 24, calib_window=48, refine_steps=0,
+                   heal_tokens=1024, verify=False)
+    report = convert(str(src), tmp_path / "converted", ConvertOptions(**options, heal_precision="bfloat16")).heal
+    assert report.precision == "bfloat16"
+    older = {key: value for key, value in report.to_json().items() if key != "precision"}
+    assert HealReport.from_json(older).precision == "float32"  # written before the key, when healing ran in float32
+    with pytest.raises(MlaconvError, match="--heal-precision must be one of"):
+        convert(str(src), tmp_path / "bad", ConvertOptions(**options, heal_precision="half"))
+    assert not (tmp_path / "bad").exists()
+
+
+def test_bfloat16_targets_are_the_source_computed_in_bfloat16(converted):
+    """Autocast reaches the source's forward pass: its top-k differ from float32's by bfloat16's rounding, no more."""
+    from transformers import AutoModelForCausalLM
+
+    from mlaconv.heal.distill import teacher_targets
+
+    src, _, _ = converted
+    source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    windows = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    exact, rounded = (teacher_targets(source, windows, 8, precision=p) for p in ("float32", "bfloat16"))
+    with torch.no_grad():
+        reference = source(windows).logits.log_softmax(-1).topk(8).values
+    assert torch.allclose(exact.logp, reference, atol=1e-5)
+    gap = (rounded.logp - exact.logp).abs().max().item()
+    assert 0 < gap < 0.1, gap
 
 
 def test_the_command_line_prints_the_report(converted, tmp_path):
@@ -254,8 +297,8 @@ def test_position_spanned_healing_trains_source_and_model_at_the_same_positions(
     captured, seen = {}, []
     original = heal_run.teacher_targets
 
-    def capturing(model, windows, top_k, progress, label, positions=None):
-        targets = original(model, windows, top_k, progress, label, positions)
+    def capturing(model, windows, top_k, progress, label, positions=None, precision=None):
+        targets = original(model, windows, top_k, progress, label, positions, precision)
         captured[label] = (windows, targets)
         return targets
 
@@ -266,7 +309,7 @@ def test_position_spanned_healing_trains_source_and_model_at_the_same_positions(
                 with_kwargs=True)
 
     monkeypatch.setattr(heal_run, "teacher_targets", capturing)
-    report = run_heal(src, folder, ids, tmp_path / "spanned", observe=observe, position_span=400)
+    report = run_heal(src, folder, ids, tmp_path / "spanned", observe=observe, position_span=400, precision="float32")
     assert report.position_span == 400
     windows, targets = captured["source on the training windows"]
     assert torch.equal(targets.positions, heal_run.skipped_positions(len(windows), 24, 400, seed=0))

@@ -41,6 +41,9 @@ def heal(
     position_span: Optional[int] = typer.Option(None, "--position-span", help="Place each training window at "
                                                 "positions spread over this many, in two chunks with a seeded skip "
                                                 "between (PoSE), so short windows train long distances."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="What the forward passes multiply in: float32, "
+                                            "or bfloat16 (the trained tensors stay float32; default bfloat16 where "
+                                            "the device computes it natively, else float32)."),
     check_every: int = typer.Option(CHECK_EVERY, "--check-every", help="Steps between measurements on the select "
                                                                        "windows (the best is kept)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when torch sees a GPU)."),
@@ -72,7 +75,7 @@ def heal(
             raise MlaconvError(f"{source} has no tokenizer to read the bundled text with: give --calib FILE.jsonl")
         options = HealOptions(tokens=tokens, window=window, batch=batch, lr=lr, schedule=lr_schedule, top_k=top_k,
                               check_every=check_every, device=device or default_device(), written_tokens=written,
-                              position_span=position_span)
+                              position_span=position_span, precision=precision)
         with progress(quiet) as track:
             report = run_heal(model, source, out or model, data, options, force=force, progress=track)
         render_report(report, report_console(json_out))

@@ -130,6 +130,9 @@ class ConvertOptions:
                                       int, recipe=(int,))
     heal_lr_schedule: str | None = option(None, "Healing's step through training: constant, or linear (falling "
                                                 "from its start to 0; default linear).", str, recipe=(str,))
+    heal_precision: str | None = option(None, "What healing's forward passes multiply in: float32, or bfloat16 (the "
+                                              "trained tensors stay float32; default bfloat16 where the device "
+                                              "computes it natively, else float32).", str, recipe=(str,))
     absorbed: bool = option(False, "Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to "
                                    "OUT/absorbed.", bool)
     recipe: Recipe | None = None  # the recipe applied (``from_recipe``), which the plan checks against the source

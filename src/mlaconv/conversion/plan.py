@@ -16,7 +16,7 @@ from mlaconv.conversion.options import ConvertOptions, Recipe
 from mlaconv.conversion.pipeline import source_layers
 from mlaconv.devices import DTYPES, check_device
 from mlaconv.errors import MlaconvError
-from mlaconv.heal.distill import SCHEDULES
+from mlaconv.heal.distill import PRECISIONS, SCHEDULES
 from mlaconv.io import CheckpointReader
 from mlaconv.io.models import has_tokenizer
 from mlaconv.io.text import TokenSource, token_counts
@@ -287,6 +287,8 @@ def plan_conversion(source: str, options: ConvertOptions, every_rank: bool = Fal
         raise MlaconvError(f"--heal-tokens must be ≥ 0, got {options.heal_tokens}")
     if options.heal_written is not None and options.heal_written < 0:
         raise MlaconvError(f"--heal-written must be ≥ 0, got {options.heal_written}")
+    if options.heal_precision is not None and options.heal_precision not in PRECISIONS:
+        raise MlaconvError(f"--heal-precision must be one of {', '.join(PRECISIONS)}, got {options.heal_precision!r}")
     if options.heal_lr_schedule is not None and options.heal_lr_schedule not in SCHEDULES:
         raise MlaconvError(f"--heal-lr-schedule must be one of {', '.join(SCHEDULES)}, "
                            f"got {options.heal_lr_schedule!r}")

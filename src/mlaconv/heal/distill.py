@@ -27,11 +27,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.utils.parametrize as parametrize
 
+from mlaconv.devices import computes_bfloat16, computing
 from mlaconv.errors import MlaconvError
 from mlaconv.progress import Progress, no_progress
 
 TRAINED = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # per layer, under self_attn
 DEFAULT_LR = 1e-3  # Adam's step, relative to each row's RMS
+PRECISIONS = ("float32", "bfloat16")  # what healing's forward passes multiply in; the trained tensors stay float32
 SCHEDULES = ("constant", "linear")  # Adam's step through training: the same throughout, or falling linearly to 0
 DEFAULT_SCHEDULE = "linear"  # chosen on SmolLM2-135M's development texts (bench/real)
 DEFAULT_WINDOW = 512
@@ -71,6 +73,7 @@ class HealOptions:
     written_tokens: int | None = None  # tokens of text the source writes itself (``generate``), added to the training
     # windows (None: ``default_written``; 0: none)
     position_span: int | None = None  # training windows placed at positions spread over this many (``skipped_positions``)
+    precision: str | None = None  # one of PRECISIONS (None: ``default_precision``)
 
 
 @dataclass
@@ -103,13 +106,20 @@ def skipped_positions(windows: int, length: int, span: int, seed: int) -> torch.
     return steps + torch.where(steps >= split, skip, 0)
 
 
+def default_precision(options: HealOptions) -> str:
+    """``options.precision``, or bfloat16 where the device multiplies in it natively (``computes_bfloat16``), else
+    float32."""
+    return options.precision or ("bfloat16" if computes_bfloat16(options.device) else "float32")
+
+
 def teacher_targets(model, windows: torch.Tensor, top_k: int, progress: Progress = no_progress,
-                    label: str = "source distributions", positions: torch.Tensor | None = None) -> Targets:
+                    label: str = "source distributions", positions: torch.Tensor | None = None,
+                    precision: str | None = None) -> Targets:
     """The top-k log-probabilities of ``model`` at every position of ``windows`` [W, S], one window at a time, at
-    ``positions`` [W, S] when given."""
+    ``positions`` [W, S] when given, in ``precision`` (float32 unless told)."""
     logp, ids = [], []
     device = next(model.parameters()).device
-    with torch.inference_mode():
+    with torch.inference_mode(), computing(device, precision):
         for k, window in enumerate(progress(windows, label, len(windows))):
             place = {} if positions is None else placed(positions[k], device)
             scores = model(window[None].to(device), **place, use_cache=False).logits[0].float().log_softmax(-1)
@@ -224,7 +234,7 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
           label: str = "healing", observe: Observer | None = None,
           recompute: bool = False) -> tuple[dict[str, torch.Tensor], Training]:
     """Adam on the trained tensors of ``model`` over ``steps`` steps of ``options.batch`` training windows (drawn
-    in a seeded order, epoch after epoch), its step scheduled by ``options.schedule``; the best state on the select
+    in a seeded order, epoch after epoch), its step scheduled by ``options.schedule``, its forward passes in ``options.precision``; the best state on the select
     windows (the start included) is returned. ``observe(step, model)``, when given, runs at the start and at every
     check (a bench's own measurements; it must not change the model). ``recompute``: each decoder layer is run again
     in the backward pass instead of keeping its activations (``recompute_layers``)."""
@@ -250,8 +260,9 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
             if not order:
                 order = torch.randperm(len(train_windows), generator=generator).tolist()
             k = order.pop()
-            logits = model(train_windows[k][None].to(device), **train_targets.placement(k, device),
-                           use_cache=False).logits[0]
+            with computing(device, options.precision):
+                logits = model(train_windows[k][None].to(device), **train_targets.placement(k, device),
+                               use_cache=False).logits[0]
             loss = sparse_kl(logits, train_targets.logp[k].to(device), train_targets.ids[k].to(device))
             (loss / (options.batch * train_windows.shape[1])).backward()
             tokens += train_windows.shape[1]
@@ -300,5 +311,7 @@ def check_options(options: HealOptions) -> None:
         raise MlaconvError(f"--lr must be in (0, 1), got {options.lr}")
     if options.position_span is not None and options.position_span < options.window:
         raise MlaconvError(f"--position-span must be at least --window ({options.window}), got {options.position_span}")
+    if options.precision is not None and options.precision not in PRECISIONS:
+        raise MlaconvError(f"--precision must be one of {', '.join(PRECISIONS)}, got {options.precision!r}")
     if options.schedule not in SCHEDULES:
         raise MlaconvError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {options.schedule!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from mlaconv.devices import computing
 from mlaconv.progress import Progress, no_progress
 
 TOP_P = 0.95
@@ -18,8 +19,10 @@ BATCH = 32  # windows sampled together (their KV cache: 32 × length × the sour
 
 
 def written_windows(model, count: int, length: int, seed: int, bos: int | None,
-                    progress: Progress = no_progress) -> torch.Tensor:
-    """``count`` windows of ``length`` tokens sampled from ``model`` → [count, length] int64 on the CPU."""
+                    progress: Progress = no_progress, precision: str | None = None) -> torch.Tensor:
+    """``count`` windows of ``length`` tokens sampled from ``model`` in ``precision`` (float32 unless told) →
+    [count, length] int64 on the CPU."""
+
     from transformers import GenerationConfig
 
     device = next(model.parameters()).device
@@ -38,7 +41,7 @@ def written_windows(model, count: int, length: int, seed: int, bos: int | None,
             new = length - prompt.shape[1]
             config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=TOP_P, max_new_tokens=new,
                                       min_new_tokens=new, pad_token_id=pad)
-            with torch.inference_mode():
+            with torch.inference_mode(), computing(device, precision):
                 out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config)
             windows.append(out[:, :length].cpu())
     return torch.cat(windows)

@@ -18,8 +18,8 @@ from mlaconv.calibration.windows import CalibrationData, cut_windows, drawn_wind
 from mlaconv.errors import MlaconvError
 from mlaconv.devices import free_memory_bytes
 from mlaconv.heal.distill import (HELD_WINDOWS, RECOMPUTE_SHARE, STEP_COST, TRAINED, HealOptions, Observer,
-                                  activation_bytes, check_options, default_tokens, default_written, skipped_positions,
-                                  teacher_targets, train)
+                                  activation_bytes, check_options, default_precision, default_tokens, default_written,
+                                  skipped_positions, teacher_targets, train)
 from mlaconv.heal.generate import written_windows
 from mlaconv.io import atomic_output_dir, check_output_target
 from mlaconv.io.models import load_causal_lm
@@ -121,6 +121,7 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     ``source`` into the folder ``into`` (``folder`` itself: its shards rewritten in place), on ``data``'s windows cut
     into ``options.window``-token chunks (shorter when its windows are)."""
     started = time.perf_counter()
+    options = replace(options, precision=default_precision(options))
     window = min(options.window, data.windows.shape[1])
     train_pool, select, held = (chunks(data.windows[ids], window) for ids in (data.train, data.select, data.held_out))
     teacher = load_causal_lm(source, torch.float32, device=options.device)
@@ -133,16 +134,17 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     train_pool = train_pool[kept]
     if written:
         train_pool = torch.cat([train_pool, written_windows(teacher, written, window, options.seed,
-                                                            teacher.config.bos_token_id, progress)])
+                                                            teacher.config.bos_token_id, progress, options.precision)])
     train_ids = list(range(train_pool.shape[0]))  # drawn epoch after epoch when the steps need more
     timed = time.perf_counter()
-    select_targets = teacher_targets(teacher, select, options.top_k, progress, "source on the select windows")
+    select_targets = teacher_targets(teacher, select, options.top_k, progress, "source on the select windows",
+                                     precision=options.precision)
     seconds_per_token = (time.perf_counter() - timed) / select.numel()
     estimate = seconds_per_token * window * (len(train_ids) + steps * options.batch * STEP_COST)
     positions = None if options.position_span is None else skipped_positions(
         len(train_ids), window, options.position_span, options.seed)
     train_targets = teacher_targets(teacher, train_pool[train_ids], options.top_k, progress,
-                                    "source on the training windows", positions)
+                                    "source on the training windows", positions, options.precision)
     del teacher
 
     before = _held_out_figures(folder, source, held, progress)
@@ -164,7 +166,7 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     after = _held_out_figures(into, source, held, progress)
     return HealReport(
         source=str(source), calibration_data=data.description, window=window, batch=options.batch, lr=options.lr,
-        lr_schedule=options.schedule, position_span=options.position_span,
+        lr_schedule=options.schedule, position_span=options.position_span, precision=options.precision,
         top_k=options.top_k, device=options.device, trained=[f"self_attn.{name}" for name in TRAINED],
         tokens=steps * options.batch * window, steps=steps, best_step=training.best_step,
         data_window=data.windows.shape[1], train_windows=data.train, select_windows=data.select,

@@ -209,6 +209,8 @@ class HealReport(Record):
     written_windows: int = 0  # windows the source wrote itself (``heal.generate``), trained on beside the train windows
     lr_schedule: str = "constant"  # ``heal.distill.SCHEDULES``; reports older than the key healed at a constant step
     position_span: int | None = None  # training windows spread over this many positions (``heal --position-span``)
+    precision: str = "float32"  # what the forward passes multiplied in (``heal.distill.PRECISIONS``); reports older than
+    # the key healed in float32
     recompute: bool = False  # each layer recomputed in the backward pass (a window's activations over half the free
     # memory: ``heal.distill.RECOMPUTE_SHARE``)
     notes: list[str] = field(default_factory=list)

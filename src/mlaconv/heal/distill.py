@@ -41,6 +41,8 @@ DEFAULT_BATCH = 4  # windows per step
 STEP_TOKENS = DEFAULT_WINDOW * DEFAULT_BATCH  # a conversion's healing step, whatever its window
 DEFAULT_TOP_K = 64
 HELD_WINDOWS = 4  # select windows, and held-out windows, each
+MIN_GAIN = 1e-6  # a check is kept only where it beats the best so far by this much KL per token: below it the
+# difference is rounding (an exact conversion measures ~1e-8, and bfloat16 steps would move it off exact)
 CHECK_EVERY = 25  # steps between two measurements on the select windows
 CPU_SECONDS = 1800  # a CPU's default budget: as many tokens as fit in this at CPU_FLOPS …
 CPU_TOKENS = 2**18  # … and no more than this
@@ -273,7 +275,7 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
             curve.append((step, measured))
             if observe:
                 observe(step, model)
-            if measured < best:
+            if measured < best - MIN_GAIN:
                 best, best_step, best_state = measured, step, trained_weights(model)
     training = Training(steps, best_step, before, best, time.perf_counter() - started, curve)
     return best_state, training

@@ -137,8 +137,9 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
                                                             teacher.config.bos_token_id, progress, options.precision)])
     train_ids = list(range(train_pool.shape[0]))  # drawn epoch after epoch when the steps need more
     timed = time.perf_counter()
-    select_targets = teacher_targets(teacher, select, options.top_k, progress, "source on the select windows",
-                                     precision=options.precision)
+    # in float32 whatever healing computes in: the select windows choose the step, and a model that is already exact
+    # must not be moved towards the rounding of bfloat16 targets
+    select_targets = teacher_targets(teacher, select, options.top_k, progress, "source on the select windows")
     seconds_per_token = (time.perf_counter() - timed) / select.numel()
     estimate = seconds_per_token * window * (len(train_ids) + steps * options.batch * STEP_COST)
     positions = None if options.position_span is None else skipped_positions(

@@ -70,8 +70,7 @@ def heal_args(args: list[str]):
     parser = argparse.ArgumentParser(prog="heal options")
     for flag, kind in (("--tokens", int), ("--lr", float), ("--lr-schedule", str), ("--written", int),
                        ("--window", int), ("--batch", int), ("--check-every", int), ("--top-k", int),
-                       ("--device", str), ("--position-span", int),
-                       ("--precision", str)):
+                       ("--device", str), ("--position-span", int), ("--precision", str)):
         parser.add_argument(flag, type=kind)
     given = {k: v for k, v in vars(parser.parse_args(args)).items() if v is not None}
     renamed = {"lr_schedule": "schedule", "written": "written_tokens"}

@@ -237,8 +237,9 @@ def train(model, train_windows: torch.Tensor, train_targets: Targets, select_win
           recompute: bool = False) -> tuple[dict[str, torch.Tensor], Training]:
     """Adam on the trained tensors of ``model`` over ``steps`` steps of ``options.batch`` training windows (drawn
     in a seeded order, epoch after epoch), its step scheduled by ``options.schedule``, its forward passes in
-    ``options.precision``; the best state on the select windows (the start included) is returned. ``observe(step, model)``, when given, runs at the start and at every
-    check (a bench's own measurements; it must not change the model). ``recompute``: each decoder layer is run again
+    ``options.precision``; the best state on the select windows (the start included) is returned.
+    ``observe(step, model)``, when given, runs at the start and at every check (a bench's own measurements; it must
+    not change the model). ``recompute``: each decoder layer is run again
     in the backward pass instead of keeping its activations (``recompute_layers``)."""
     started = time.perf_counter()
     parameters = make_trainable(model)

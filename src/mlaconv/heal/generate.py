@@ -22,7 +22,6 @@ def written_windows(model, count: int, length: int, seed: int, bos: int | None,
                     progress: Progress = no_progress, precision: str | None = None) -> torch.Tensor:
     """``count`` windows of ``length`` tokens sampled from ``model`` in ``precision`` (float32 unless told) →
     [count, length] int64 on the CPU."""
-
     from transformers import GenerationConfig
 
     device = next(model.parameters()).device

@@ -17,9 +17,9 @@ import torch
 from mlaconv.calibration.windows import CalibrationData, cut_windows, drawn_windows, split_windows
 from mlaconv.errors import MlaconvError
 from mlaconv.devices import free_memory_bytes
-from mlaconv.heal.distill import (HELD_WINDOWS, RECOMPUTE_SHARE, STEP_COST, TRAINED, HealOptions, Observer,
-                                  activation_bytes, check_options, default_precision, default_tokens, default_written,
-                                  skipped_positions, teacher_targets, train)
+from mlaconv.heal.distill import (BFLOAT16_STEP_SHARE, HELD_WINDOWS, RECOMPUTE_SHARE, STEP_COST, TRAINED,
+                                  HealOptions, Observer, activation_bytes, check_options, default_precision,
+                                  default_tokens, default_written, skipped_positions, teacher_targets, train)
 from mlaconv.heal.generate import written_windows
 from mlaconv.io import atomic_output_dir, check_output_target
 from mlaconv.io.models import load_causal_lm
@@ -115,6 +115,17 @@ def trained_windows(data: int, written: int, needed: int, seed: int) -> tuple[li
     return sorted(drawn.tolist()), written
 
 
+def training_work(steps: int, window: int, select_tokens: int, held_tokens: int, options: HealOptions,
+                  recompute: bool) -> float:
+    """What is left once the source's targets are computed, in source forward tokens: the steps (STEP_COST each
+    training token; a fraction of it in bfloat16, and one forward token more where layers are recomputed), a
+    measurement of the select windows at the start and at every check, and the held-out figures after (the model and
+    the source)."""
+    step_cost = STEP_COST * (BFLOAT16_STEP_SHARE if options.precision == "bfloat16" else 1.0) + recompute
+    checks = 1 + -(-steps // options.check_every)
+    return steps * options.batch * window * step_cost + checks * select_tokens + 2 * held_tokens
+
+
 def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options: HealOptions, rank: int,
                 delta: float, progress: Progress = no_progress, observe: Observer | None = None) -> HealReport:
     """Heal the converted checkpoint in ``folder`` (latent rank ``rank``, tiny-latent bound ``delta``) towards
@@ -141,7 +152,6 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     # must not be moved towards the rounding of bfloat16 targets
     select_targets = teacher_targets(teacher, select, options.top_k, progress, "source on the select windows")
     seconds_per_token = (time.perf_counter() - timed) / select.numel()
-    estimate = seconds_per_token * window * (len(train_ids) + steps * options.batch * STEP_COST)
     positions = None if options.position_span is None else skipped_positions(
         len(train_ids), window, options.position_span, options.seed)
     train_targets = teacher_targets(teacher, train_pool[train_ids], options.top_k, progress,
@@ -152,11 +162,12 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     model = load_causal_lm(folder, torch.float32, device=options.device)
     activations = activation_bytes(model.config, window)
     recompute = activations > RECOMPUTE_SHARE * free_memory_bytes(options.device)
-    if recompute:
-        estimate += seconds_per_token * window * steps * options.batch  # the forward pass again, in the backward
+    spent = time.perf_counter() - started
+    left = seconds_per_token * training_work(steps, window, select.numel(), held.numel(), options, recompute)
+    estimate = spent + left
     memory = f"; layers recomputed, a window's activations ~{activations / 2**30:.0f} GiB" if recompute else ""
     label = (f"healing: {steps} steps of {options.batch} × {window} tokens "
-             f"(~{estimate / 60:.0f} min by this machine's speed{memory})")
+             f"(~{left / 60:.0f} min more, ~{estimate / 60:.0f} in all, by this machine's speed{memory})")
     state, training = train(model, train_pool[train_ids], train_targets, select, select_targets, steps, options,
                             progress, label, observe, recompute)
     del model

@@ -153,6 +153,19 @@ def test_a_conversion_passes_its_healing_precision_on(tiny_model, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_conversion_passes_its_healing_position_span_on(tiny_model, tmp_path):
+    src = tiny_model(kv_heads=2, head_dim=16, layers=2)
+    ids = sampled_ids(tmp_path / "ids.jsonl")
+    options = dict(rank=8, rope_dim=8, calib=[str(ids)], calib_tokens=48 * 24, calib_window=48, refine_steps=0,
+                   heal_tokens=1024, heal_window=32, verify=False)
+    report = convert(str(src), tmp_path / "converted", ConvertOptions(**options, heal_position_span=200)).heal
+    assert report.position_span == 200
+    assert json.loads((tmp_path / "converted" / "mlaconv.json").read_text())["heal"]["position_span"] == 200
+    with pytest.raises(MlaconvError, match=r"--heal-position-span must be at least the healing window \(32\)"):
+        convert(str(src), tmp_path / "bad", ConvertOptions(**options, heal_position_span=31))
+    assert not (tmp_path / "bad").exists()
+
+
 def test_bfloat16_targets_are_the_source_computed_in_bfloat16(converted):
     """Autocast reaches the source's forward pass: its top-k differ from float32's by bfloat16's rounding, no more."""
     from transformers import AutoModelForCausalLM

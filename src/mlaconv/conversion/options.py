@@ -133,6 +133,10 @@ class ConvertOptions:
     heal_precision: str | None = option(None, "What healing's forward passes multiply in: float32, or bfloat16 (the "
                                               "trained tensors stay float32; default bfloat16 where the device "
                                               "computes it natively, else float32).", str, recipe=(str,))
+    heal_position_span: int | None = option(None, "Place each healing window at positions spread over this many, "
+                                                  "in two chunks with a seeded skip between (PoSE), so short "
+                                                  "windows train long distances (default: off).", int,
+                                            recipe=(int,))
     absorbed: bool = option(False, "Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to "
                                    "OUT/absorbed.", bool)
     recipe: Recipe | None = None  # the recipe applied (``from_recipe``), which the plan checks against the source

@@ -16,7 +16,7 @@ from mlaconv.conversion.options import ConvertOptions, Recipe
 from mlaconv.conversion.pipeline import source_layers
 from mlaconv.devices import DTYPES, check_device
 from mlaconv.errors import MlaconvError
-from mlaconv.heal.distill import PRECISIONS, SCHEDULES
+from mlaconv.heal.distill import DEFAULT_WINDOW, PRECISIONS, SCHEDULES
 from mlaconv.io import CheckpointReader
 from mlaconv.io.models import has_tokenizer
 from mlaconv.io.text import TokenSource, token_counts
@@ -295,6 +295,10 @@ def plan_conversion(source: str, options: ConvertOptions, every_rank: bool = Fal
     if options.heal_window is not None and not 2 <= options.heal_window <= options.calib_window:
         raise MlaconvError(f"--heal-window must be between 2 and --calib-window ({options.calib_window}), "
                            f"got {options.heal_window}")
+    heal_window = options.heal_window or DEFAULT_WINDOW
+    if options.heal_position_span is not None and options.heal_position_span < heal_window:
+        raise MlaconvError(f"--heal-position-span must be at least the healing window ({heal_window}), "
+                           f"got {options.heal_position_span}")
     if options.calib_sequential is not None and options.calib_sequential not in SEQUENTIAL:
         raise MlaconvError(f"--calib-sequential must be one of {', '.join(SEQUENTIAL)}, "
                            f"got {options.calib_sequential!r}")

@@ -150,7 +150,8 @@ def _heal(converted: Path, plan: Plan, progress: Progress):
     heal_options = HealOptions(tokens=options.heal_tokens, max_tokens=HEAL_PER_CALIBRATION_TOKEN * options.calib_tokens,
                                window=window, batch=max(1, STEP_TOKENS // window), device=options.calibration_device,
                                written_tokens=options.heal_written,
-                               schedule=options.heal_lr_schedule or DEFAULT_SCHEDULE, precision=options.heal_precision)
+                               schedule=options.heal_lr_schedule or DEFAULT_SCHEDULE, precision=options.heal_precision,
+                               position_span=options.heal_position_span)
     return heal_folder(converted, converted, plan.folder, data, heal_options, plan.shapes.rank, options.delta, progress)
 
 

@@ -17,6 +17,7 @@ from mlaconv.conversion.run import convert
 from mlaconv.errors import MlaconvError
 from mlaconv.heal import HealOptions, heal
 from mlaconv.heal import run as heal_run
+from mlaconv.heal.distill import POSITION_SPAN, default_position_span
 from mlaconv.mla.latent_norm import latent_bound
 from mlaconv.report.conversion import HealReport
 
@@ -161,7 +162,11 @@ def test_a_conversion_passes_its_healing_position_span_on(tiny_model, tmp_path):
     report = convert(str(src), tmp_path / "converted", ConvertOptions(**options, heal_position_span=200)).heal
     assert report.position_span == 200
     assert json.loads((tmp_path / "converted" / "mlaconv.json").read_text())["heal"]["position_span"] == 200
-    with pytest.raises(MlaconvError, match=r"--heal-position-span must be at least the healing window \(32\)"):
+    # by default up to the served context (the tiny model's 256, or --context), and 0 turns the spread off
+    spans = {name: convert(str(src), tmp_path / name, ConvertOptions(**options, **extra)).heal.position_span
+             for name, extra in (("default", {}), ("served", {"context": 100}), ("none", {"heal_position_span": 0}))}
+    assert spans == {"default": 256, "served": 100, "none": None}
+    with pytest.raises(MlaconvError, match=r"--heal-position-span must be 0 \(none\) or at least the healing window"):
         convert(str(src), tmp_path / "bad", ConvertOptions(**options, heal_position_span=31))
     assert not (tmp_path / "bad").exists()
 
@@ -289,6 +294,14 @@ def test_layers_are_recomputed_when_a_window_would_not_fit(converted, tmp_path, 
     assert not torch.equal(a[key], tensors(folder)[key])  # it healed
 
 
+def test_healing_spreads_its_windows_over_the_default_span_or_the_context_where_shorter():
+    assert default_position_span(None, 512, 8192) == POSITION_SPAN == 4096
+    assert default_position_span(None, 512, 2048) == 2048
+    assert default_position_span(None, 512, 512) == 0  # a context no longer than the window: nothing to spread
+    assert default_position_span(1000, 512, 8192) == 1000
+    assert default_position_span(0, 512, 8192) == 0
+
+
 def test_skipped_positions_spread_each_window_over_the_span_in_two_chunks():
     positions = heal_run.skipped_positions(200, 24, 256, seed=3)
     assert positions.shape == (200, 24) and torch.equal(positions, heal_run.skipped_positions(200, 24, 256, seed=3))
@@ -344,5 +357,5 @@ def test_position_spanned_healing_trains_source_and_model_at_the_same_positions(
     assert all(tuple(ids[0].tolist()) in rows and bool(mask.all()) for ids, mask in trained)
     refused = CliRunner().invoke(app, ["heal", "--json", str(folder), "--source", str(src), "--calib", str(ids),
                                        "--out", str(tmp_path / "bad"), "--window", "24", "--position-span", "16"])
-    assert refused.exit_code == 1 and "--position-span must be at least --window (24)" in refused.stdout
+    assert refused.exit_code == 1 and "--position-span must be 0 (none) or at least --window (24)" in refused.stdout
     assert not (tmp_path / "bad").exists()

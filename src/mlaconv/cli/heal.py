@@ -12,7 +12,7 @@ from mlaconv.cli import app
 from mlaconv.cli._common import (DEBUG_OPTION, JSON_OPTION, QUIET_OPTION, emit_json, handle_errors, line, progress,
                                  report_console)
 from mlaconv.heal.distill import CHECK_EVERY, CPU_SECONDS, CPU_TOKENS, CUDA_TOKENS, DEFAULT_BATCH, DEFAULT_LR, \
-    DEFAULT_SCHEDULE, DEFAULT_TOP_K, DEFAULT_WINDOW, WRITTEN_TOKENS
+    DEFAULT_SCHEDULE, DEFAULT_TOP_K, DEFAULT_WINDOW, POSITION_SPAN, WRITTEN_TOKENS
 from mlaconv.report.conversion import HealReport
 
 
@@ -40,7 +40,9 @@ def heal(
                                           "at most as many as the calibration tokens trained on; 0: none)."),
     position_span: Optional[int] = typer.Option(None, "--position-span", help="Place each training window at "
                                                 "positions spread over this many, in two chunks with a seeded skip "
-                                                "between (PoSE), so short windows train long distances."),
+                                                "between (PoSE), so short windows train long distances "
+                                                f"(default {POSITION_SPAN:,}, or the model's context where "
+                                                "shorter; 0: none)."),
     precision: Optional[str] = typer.Option(None, "--precision", help="What the forward passes multiply in: float32, "
                                             "or bfloat16 (the trained tensors stay float32; default bfloat16 where "
                                             "the device computes it natively, else float32)."),

@@ -135,7 +135,8 @@ class ConvertOptions:
                                               "computes it natively, else float32).", str, recipe=(str,))
     heal_position_span: int | None = option(None, "Place each healing window at positions spread over this many, "
                                                   "in two chunks with a seeded skip between (PoSE), so short "
-                                                  "windows train long distances (default: off).", int,
+                                                  "windows train long distances (default 4,096, or the served context "
+                                                  "where shorter; 0: none).", int,
                                             recipe=(int,))
     absorbed: bool = option(False, "Also write absorbed inference weights (W^UK in the query, W^UV in o_proj) to "
                                    "OUT/absorbed.", bool)

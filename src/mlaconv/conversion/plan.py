@@ -296,8 +296,8 @@ def plan_conversion(source: str, options: ConvertOptions, every_rank: bool = Fal
         raise MlaconvError(f"--heal-window must be between 2 and --calib-window ({options.calib_window}), "
                            f"got {options.heal_window}")
     heal_window = options.heal_window or DEFAULT_WINDOW
-    if options.heal_position_span is not None and options.heal_position_span < heal_window:
-        raise MlaconvError(f"--heal-position-span must be at least the healing window ({heal_window}), "
+    if options.heal_position_span not in (None, 0) and options.heal_position_span < heal_window:
+        raise MlaconvError(f"--heal-position-span must be 0 (none) or at least the healing window ({heal_window}), "
                            f"got {options.heal_position_span}")
     if options.calib_sequential is not None and options.calib_sequential not in SEQUENTIAL:
         raise MlaconvError(f"--calib-sequential must be one of {', '.join(SEQUENTIAL)}, "

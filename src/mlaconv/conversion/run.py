@@ -23,7 +23,8 @@ from mlaconv.conversion.calibrated import CalibratedPipeline
 from mlaconv.conversion.options import ConvertOptions
 from mlaconv.conversion.pipeline import LayerStep, SourceLayer, source_layers
 from mlaconv.conversion.pipelines import PIPELINES, Pipeline
-from mlaconv.conversion.plan import Plan, estimate_output_bytes, eval_source, output_config, plan_conversion
+from mlaconv.conversion.plan import (Plan, estimate_output_bytes, eval_source, output_config, plan_conversion,
+                                     served_context)
 from mlaconv.conversion.report import Sections, conversion_report
 from mlaconv.conversion.weights_only import WeightsOnlyPipeline
 from mlaconv.errors import MlaconvError
@@ -141,7 +142,7 @@ def after_layers(converted: Path, out: Path, plan: Plan, progress: Progress) -> 
 def _heal(converted: Path, plan: Plan, progress: Progress):
     """Heal the fresh conversion in place on its own calibration windows (``heal.run.conversion_data``)."""
     from mlaconv.heal import HealOptions
-    from mlaconv.heal.distill import DEFAULT_SCHEDULE, DEFAULT_WINDOW, STEP_TOKENS
+    from mlaconv.heal.distill import DEFAULT_SCHEDULE, DEFAULT_WINDOW, STEP_TOKENS, default_position_span
     from mlaconv.heal.run import conversion_data, heal_folder
 
     options = plan.options
@@ -151,7 +152,8 @@ def _heal(converted: Path, plan: Plan, progress: Progress):
                                window=window, batch=max(1, STEP_TOKENS // window), device=options.calibration_device,
                                written_tokens=options.heal_written,
                                schedule=options.heal_lr_schedule or DEFAULT_SCHEDULE, precision=options.heal_precision,
-                               position_span=options.heal_position_span)
+                               position_span=default_position_span(options.heal_position_span, window,
+                                                                   served_context(plan.spec, options)))
     return heal_folder(converted, converted, plan.folder, data, heal_options, plan.shapes.rank, options.delta, progress)
 
 

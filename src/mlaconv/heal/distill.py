@@ -55,6 +55,8 @@ WRITTEN_TOKENS = 2**16  # the default text the source writes itself, at most as 
 STEP_COST = 3.5  # one training token costs about this many source forward tokens (forward, backward, the update)
 BFLOAT16_STEP_SHARE = 0.75  # … times this in bfloat16 autocast, against the float32 forward the estimate is timed on
 # (SmolLM2-135M on this project's 2 cores: a step of 4 × 512 took 11.5 s against 15.5 s in float32)
+POSITION_SPAN = 4096  # healing's windows spread over this many positions by default, or the model's context where
+# shorter (bench/real: SmolLM2-135M at 50% keeps its passkeys at 4K, which healing on 512 positions loses)
 RECOMPUTE_SHARE = 0.5  # layers are recomputed in the backward pass when one window's activations would take more
 # than this share of the free memory (SmolLM2-135M: about 2 GiB at 512 tokens, about 46 GiB at 4,096)
 
@@ -76,7 +78,8 @@ class HealOptions:
     seed: int = 0
     written_tokens: int | None = None  # tokens of text the source writes itself (``generate``), added to the training
     # windows (None: ``default_written``; 0: none)
-    position_span: int | None = None  # training windows placed at positions spread over this many (``skipped_positions``)
+    position_span: int | None = None  # training windows placed at positions spread over this many
+    # (``skipped_positions``; None: ``default_position_span``; 0: none, each window at 0 … S − 1)
     precision: str | None = None  # one of PRECISIONS (None: ``default_precision``)
 
 
@@ -304,6 +307,13 @@ def default_written(options: HealOptions, calibration_tokens: int) -> int:
     return min(WRITTEN_TOKENS, calibration_tokens)
 
 
+def default_position_span(span: int | None, window: int, context: int) -> int:
+    """The span healing's ``window``-token windows are spread over: ``span`` (``--position-span``), or POSITION_SPAN but
+    no more than the ``context`` served; 0 (none) where that is no longer than the window."""
+    span = span if span is not None else min(POSITION_SPAN, context)
+    return span if span > window else 0
+
+
 def check_options(options: HealOptions) -> None:
     if options.tokens is not None and options.tokens < options.window * options.batch:
         raise MlaconvError(f"--tokens {options.tokens} is less than one step ({options.batch} windows of "
@@ -314,8 +324,9 @@ def check_options(options: HealOptions) -> None:
         raise MlaconvError("--window must be ≥ 2 and --batch, --top-k and --check-every ≥ 1")
     if not (0 < options.lr < 1) or not math.isfinite(options.lr):
         raise MlaconvError(f"--lr must be in (0, 1), got {options.lr}")
-    if options.position_span is not None and options.position_span < options.window:
-        raise MlaconvError(f"--position-span must be at least --window ({options.window}), got {options.position_span}")
+    if options.position_span not in (None, 0) and options.position_span < options.window:
+        raise MlaconvError(f"--position-span must be 0 (none) or at least --window ({options.window}), "
+                           f"got {options.position_span}")
     if options.precision is not None and options.precision not in PRECISIONS:
         raise MlaconvError(f"--precision must be one of {', '.join(PRECISIONS)}, got {options.precision!r}")
     if options.schedule not in SCHEDULES:

@@ -18,8 +18,9 @@ from mlaconv.calibration.windows import CalibrationData, cut_windows, drawn_wind
 from mlaconv.errors import MlaconvError
 from mlaconv.devices import free_memory_bytes
 from mlaconv.heal.distill import (BFLOAT16_STEP_SHARE, HELD_WINDOWS, RECOMPUTE_SHARE, STEP_COST, TRAINED,
-                                  HealOptions, Observer, activation_bytes, check_options, default_precision,
-                                  default_tokens, default_written, skipped_positions, teacher_targets, train)
+                                  HealOptions, Observer, activation_bytes, check_options, default_position_span,
+                                  default_precision, default_tokens, default_written, skipped_positions,
+                                  teacher_targets, train)
 from mlaconv.heal.generate import written_windows
 from mlaconv.io import atomic_output_dir, check_output_target
 from mlaconv.io.models import load_causal_lm
@@ -137,6 +138,8 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     train_pool, select, held = (chunks(data.windows[ids], window) for ids in (data.train, data.select, data.held_out))
     teacher = load_causal_lm(source, torch.float32, device=options.device)
     parameters = sum(p.numel() for p in teacher.parameters())
+    options = replace(options, position_span=default_position_span(options.position_span, window,
+                                                                    teacher.config.max_position_embeddings))
     # the written windows join what the steps draw from, not the budget: its passes count the data's windows alone
     tokens = options.tokens or default_tokens(options, parameters, window, train_pool.shape[0])
     steps = max(1, tokens // (options.batch * window))
@@ -152,7 +155,7 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     # must not be moved towards the rounding of bfloat16 targets
     select_targets = teacher_targets(teacher, select, options.top_k, progress, "source on the select windows")
     seconds_per_token = (time.perf_counter() - timed) / select.numel()
-    positions = None if options.position_span is None else skipped_positions(
+    positions = None if not options.position_span else skipped_positions(
         len(train_ids), window, options.position_span, options.seed)
     train_targets = teacher_targets(teacher, train_pool[train_ids], options.top_k, progress,
                                     "source on the training windows", positions, options.precision)
@@ -178,7 +181,7 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
     after = _held_out_figures(into, source, held, progress)
     return HealReport(
         source=str(source), calibration_data=data.description, window=window, batch=options.batch, lr=options.lr,
-        lr_schedule=options.schedule, position_span=options.position_span, precision=options.precision,
+        lr_schedule=options.schedule, position_span=options.position_span or None, precision=options.precision,
         top_k=options.top_k, device=options.device, trained=[f"self_attn.{name}" for name in TRAINED],
         tokens=steps * options.batch * window, steps=steps, best_step=training.best_step,
         data_window=data.windows.shape[1], train_windows=data.train, select_windows=data.select,

@@ -162,6 +162,7 @@ def test_a_conversion_passes_its_healing_position_span_on(tiny_model, tmp_path):
     report = convert(str(src), tmp_path / "converted", ConvertOptions(**options, heal_position_span=200)).heal
     assert report.position_span == 200
     assert json.loads((tmp_path / "converted" / "mlaconv.json").read_text())["heal"]["position_span"] == 200
+    assert "each spread over 200 positions" in (tmp_path / "converted" / "README.md").read_text()
     # by default up to the served context (the tiny model's 256, or --context), and 0 turns the spread off
     spans = {name: convert(str(src), tmp_path / name, ConvertOptions(**options, **extra)).heal.position_span
              for name, extra in (("default", {}), ("served", {"context": 100}), ("none", {"heal_position_span": 0}))}

@@ -226,7 +226,10 @@ def _healing(report: ConversionReport) -> str:
         f"After the conversion, `mlaconv heal` trained every layer's {', '.join(f'`{t}`' for t in heal.trained)} end "
         f"to end towards the source's next-token distributions (KL on its top-{heal.top_k} log-probabilities), "
         f"everything else frozen: {heal.tokens:,} tokens of {heal.calibration_data} in {heal.steps} steps of "
-        f"{heal.batch} windows of {heal.window} (the best step on {len(heal.select_windows)} select windows kept: "
+        f"{heal.batch} windows of {heal.window}"
+        + (f", each spread over {heal.position_span:,} positions so that it trains longer distances (PoSE)"
+           if heal.position_span else "")
+        + f" (the best step on {len(heal.select_windows)} select windows kept: "
         f"{heal.best_step}), on {heal.device} (the time it took is in `mlaconv.json`, so that the same inputs write the same card). "
         f"On {len(heal.held_out_windows)} held-out "
         "windows of the same data, which nothing was trained or chosen on:",

@@ -89,6 +89,8 @@ def heal(folder: str | Path, source: str, out: str | Path, data: CalibrationData
     elif not force:
         raise MlaconvError(f"healing {folder} in place replaces it: pass --force, or --out NEW for a new folder")
     _check_pair(folder, spec)
+    options = replace(options, position_span=default_position_span(options.position_span, options.window,
+                                                                    spec.max_position_embeddings))
     windows = split_data(source_folder, spec, data, options)
     with atomic_output_dir(out, force=force) as tmp:
         result = heal_folder(folder, tmp, source_folder, windows, options, report.kv_lora_rank,
@@ -131,15 +133,14 @@ def heal_folder(folder: Path, into: Path, source: Path, data: HealData, options:
                 delta: float, progress: Progress = no_progress, observe: Observer | None = None) -> HealReport:
     """Heal the converted checkpoint in ``folder`` (latent rank ``rank``, tiny-latent bound ``delta``) towards
     ``source`` into the folder ``into`` (``folder`` itself: its shards rewritten in place), on ``data``'s windows cut
-    into ``options.window``-token chunks (shorter when its windows are)."""
+    into ``options.window``-token chunks (shorter when its windows are), spread over ``options.position_span``
+    positions as the caller resolved it (``default_position_span``; None or 0: none)."""
     started = time.perf_counter()
     options = replace(options, precision=default_precision(options))
     window = min(options.window, data.windows.shape[1])
     train_pool, select, held = (chunks(data.windows[ids], window) for ids in (data.train, data.select, data.held_out))
     teacher = load_causal_lm(source, torch.float32, device=options.device)
     parameters = sum(p.numel() for p in teacher.parameters())
-    options = replace(options, position_span=default_position_span(options.position_span, window,
-                                                                    teacher.config.max_position_embeddings))
     # the written windows join what the steps draw from, not the budget: its passes count the data's windows alone
     tokens = options.tokens or default_tokens(options, parameters, window, train_pool.shape[0])
     steps = max(1, tokens // (options.batch * window))

@@ -51,10 +51,27 @@ def commit() -> str:
 
 
 def machine(device: str | None = None) -> str:
-    """What ran it, in words: cores, architecture, the device, torch's version when torch is loaded."""
+    """What ran it, in words: cores, architecture, the CPU's model, the device, torch's version when loaded.
+
+    The model matters: this project's 2-core machines have been of more than one CPU model, and one source
+    forward pass took 85 s on one and about 200 s on another.
+    """
     torch = sys.modules.get("torch")
     words = f"{os.cpu_count()}-core {platform.machine()} {device or 'CPU'}"
+    model = cpu_model()
+    words += f" ({model})" if model else ""
     return words + (f", torch {torch.__version__}" if torch is not None else "")
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name as the kernel reports it (Linux), else the platform's word for it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip() or None
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 class _Row(string.Formatter):

@@ -38,6 +38,7 @@ from bench.lib.results import commit, machine, markdown_table  # noqa: E402
 from bench.real.build import DEFAULT_OUT as SOURCE, build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+FORWARD_REPEATS = 2  # the yardstick is the least of these passes: one pass moved by 10% between repeats here
 RESULTS = ROOT / "bench" / "results" / "real-fidelity.json"
 DATA = Path(__file__).resolve().parent / "data"
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2-raw-test.txt"
@@ -142,9 +143,9 @@ def score(out: Path, text: Path) -> dict:
             "top1": report.top1_agreement, "windows": report.windows}
 
 
-def forward_seconds(tokens: int, window: int) -> float:
+def forward_seconds(tokens: int, window: int, repeats: int = FORWARD_REPEATS) -> float:
     """Wall seconds of one source forward pass (transformers, float32) over ``tokens`` tokens in windows of
-    ``window``, as the calibration reads them."""
+    ``window``, as the calibration reads them: the least of ``repeats`` passes, on the machine the row runs on."""
     import torch
 
     from mlaconv.io.models import load_causal_lm
@@ -152,11 +153,14 @@ def forward_seconds(tokens: int, window: int) -> float:
     model = load_causal_lm(SOURCE, torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (max(1, tokens // window), window),
                         generator=torch.Generator().manual_seed(0))
-    started = time.perf_counter()
+    passes = []
     with torch.inference_mode():
-        for row in ids:
-            model(row[None], use_cache=False)
-    return time.perf_counter() - started
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for row in ids:
+                model(row[None], use_cache=False)
+            passes.append(time.perf_counter() - started)
+    return min(passes)
 
 
 def run(name: str, args: list[str], wikitext: Path, work: Path, baseline: str | None = None,
@@ -169,15 +173,13 @@ def run(name: str, args: list[str], wikitext: Path, work: Path, baseline: str | 
             raise SystemExit(f"--heal-from {heal_from}: no such row with its folder in {work}")
         report, wall, cpu, curve = run_heal(out, work / heal_from, args)
         report["heal"]["seconds"] = round(wall, 1)  # without the curve's measurements
+        heal_wall = wall
         wall, cpu = wall + base["convert_wall_s"], cpu + base["convert_cpu_s"]
-        forward = base["forward_wall_s"]  # the same conversion's yardstick, measured with its row
     else:
         report, wall, cpu = convert_baseline(out, baseline, kv_keep) if baseline else convert(out, args)
-        forward = None
     calibration = report.get("calibration") or {}
     heal = report.get("heal") or {}
-    if forward is None and calibration.get("tokens"):
-        forward = forward_seconds(calibration["tokens"], calibration["window"])
+    forward = forward_seconds(calibration["tokens"], calibration["window"]) if calibration.get("tokens") else None
     config = json.loads((out / "config.json").read_text())
     source = json.loads((SOURCE / "config.json").read_text())
     source_kv = 2 * source["num_key_value_heads"] * source["head_dim"]
@@ -194,9 +196,12 @@ def run(name: str, args: list[str], wikitext: Path, work: Path, baseline: str | 
            "command": "python -m bench.real.fidelity --name " + name + (
                f" --baseline {baseline} --kv-keep {kv_keep}" if baseline else
                (f" --heal-from {heal_from}" if heal_from else "") + " -- " + " ".join(args))}
-    if heal_from:
-        row["healed_from"], row["dev_curve"] = heal_from, curve
     row["convert_per_forward"] = None if forward is None else round(wall / forward, 1)
+    if heal_from:
+        # Each part over the yardstick of the machine it ran on: the earlier row's may have been another CPU.
+        row["healed_from"], row["dev_curve"] = heal_from, curve
+        row["layer_pass_machine"] = base["machine"]
+        row["convert_per_forward"] = round(base["convert_wall_s"] / base["forward_wall_s"] + heal_wall / forward, 1)
     save([r for r in load_rows() if r["name"] != name] + [row])
     return row
 
@@ -213,7 +218,11 @@ NOTES = ("Perplexity by `mlaconv eval perplexity` in transformers (float32) agai
          "also 65,536 tokens the source writes itself, from the written-50 row on); the defaults were chosen on the "
          "development texts (*Pride and Prejudice*, the Python Language Reference, the tz database's history: "
          "`real-dev.json`), never on these texts. \"÷ forward\": the conversion's wall time over one "
-         "source forward pass over its calibration tokens. Each row's own commit, load and command are in the file.")
+         "source forward pass over its calibration tokens, measured with the row on its machine (in the rows "
+         "whose machine names its CPU model, the least of two passes, and a healed row's layer pass and healing each "
+         "over their own machine's pass). The rows' machines differ: one forward pass took 85 s on some and 155–222 s on others, so compare "
+         "a row's ratio, not its minutes, with another's. Each row's own commit, machine, load and command are in the "
+         "file.")
 
 
 def save(rows: list[dict]) -> None:

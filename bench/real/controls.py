@@ -11,6 +11,8 @@ does not, depend on distance, into bench/_work/real/control-NAME and bench/resul
 Then measure each folder as a converted model is measured:
 
     python -m bench.real.controls mlp-noise --match-kl 0.087 --text bench/real/data/pride_and_prejudice.txt
+    python -m bench.real.controls mlp-noise --match-kl 0.17 --text bench/real/data/pride_and_prejudice.txt \\
+        --name mlp-noise-0.17
     python -m bench.real.controls window-512
     python -m bench.real.positions bench/_work/real/control-mlp-noise --name control-mlp-noise --text WIKITEXT
 """
@@ -114,9 +116,12 @@ def main() -> None:
     parser.add_argument("--text", type=Path, default=None, help="mlp-noise: the development text the KL is matched on")
     parser.add_argument("--windows", type=int, default=20, help="windows of 1,024 of --text the KL is measured on")
     parser.add_argument("--tolerance", type=float, default=0.03)
+    parser.add_argument("--name", default=None, help="the folder is control-NAME, the result real-control-NAME.json "
+                                                     "(default: the control)")
     args = parser.parse_args()
 
-    out = WORK / f"control-{args.control}"
+    name = args.name or args.control
+    out = WORK / f"control-{name}"
     result = {"bench": "real", "control": args.control, "folder": str(out.relative_to(WORK.parent.parent.parent))}
     if args.control == "mlp-noise":
         if args.match_kl is None or args.text is None:
@@ -131,7 +136,7 @@ def main() -> None:
         raise SystemExit(f"unknown control {args.control!r}: mlp-noise or window-N")
     result.update(commit=commit(), machine=machine(), load=load_span(),
                   command=" ".join(["python -m bench.real.controls", *sys.argv[1:]]))
-    print(write_json(f"real-control-{args.control}", result))
+    print(write_json(f"real-control-{name}", result))
 
 
 if __name__ == "__main__":

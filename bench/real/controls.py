@@ -6,7 +6,8 @@ does not, depend on distance, into bench/_work/real/control-NAME and bench/resul
   chosen so that the whole model's KL to the source on a development text matches ``--match-kl`` (a conversion's
   KL there), by a secant on log KL against log σ.
 - ``window-N``: the source's own weights served with an N-token sliding window (a Mistral config, which
-  transformers masks natively): a loss that is only distance, nothing before position N.
+  transformers masks natively): nothing more than N positions back. It drops the first tokens too, which the
+  model leans on as attention sinks, so it measures that breakage more than distance (bench/real/README.md).
 
 Then measure each folder as a converted model is measured:
 

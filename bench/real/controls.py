@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from bench.lib.results import commit, load_span, machine, write_json  # noqa: E402
 from bench.real.build import DEFAULT_OUT as SOURCE  # noqa: E402
+from bench.real.dev import MAX_WINDOWS, WINDOW  # noqa: E402
 from mlaconv.evaluate.perplexity import evaluate_perplexity  # noqa: E402
 from mlaconv.io.models import load_causal_lm  # noqa: E402
 from mlaconv.io.text import TokenSource  # noqa: E402
@@ -86,7 +87,7 @@ def _save(model, out: Path) -> Path:
 
 
 def kl_on(folder: Path, text: Path, windows: int) -> float:
-    report = evaluate_perplexity(folder, SOURCE, source=TokenSource(text=text), window=1024, max_windows=windows)
+    report = evaluate_perplexity(folder, SOURCE, source=TokenSource(text=text), window=WINDOW, max_windows=windows)
     return report.kl_per_token
 
 
@@ -115,7 +116,8 @@ def main() -> None:
     parser.add_argument("control", help="mlp-noise or window-N (e.g. window-512)")
     parser.add_argument("--match-kl", type=float, default=None, help="mlp-noise: the KL to match on --text")
     parser.add_argument("--text", type=Path, default=None, help="mlp-noise: the development text the KL is matched on")
-    parser.add_argument("--windows", type=int, default=20, help="windows of 1,024 of --text the KL is measured on")
+    parser.add_argument("--windows", type=int, default=MAX_WINDOWS,
+                        help="windows of --text the KL is measured on (as bench.real.dev scores it)")
     parser.add_argument("--tolerance", type=float, default=0.03)
     parser.add_argument("--name", default=None, help="the folder is control-NAME, the result real-control-NAME.json "
                                                      "(default: the control)")

@@ -196,12 +196,12 @@ def run(name: str, args: list[str], wikitext: Path, work: Path, baseline: str | 
            "command": "python -m bench.real.fidelity --name " + name + (
                f" --baseline {baseline} --kv-keep {kv_keep}" if baseline else
                (f" --heal-from {heal_from}" if heal_from else "") + " -- " + " ".join(args))}
-    row["convert_per_forward"] = None if forward is None else round(wall / forward, 1)
     if heal_from:
+        row["healed_from"], row["dev_curve"], row["layer_pass_machine"] = heal_from, curve, base["machine"]
         # Each part over the yardstick of the machine it ran on: the earlier row's may have been another CPU.
-        row["healed_from"], row["dev_curve"] = heal_from, curve
-        row["layer_pass_machine"] = base["machine"]
         row["convert_per_forward"] = round(base["convert_wall_s"] / base["forward_wall_s"] + heal_wall / forward, 1)
+    else:
+        row["convert_per_forward"] = None if forward is None else round(wall / forward, 1)
     save([r for r in load_rows() if r["name"] != name] + [row])
     return row
 
